@@ -1,0 +1,54 @@
+"""Small helpers shared by commands: comma lists, JSON writing, plain tables."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import typer
+
+
+def csv_list(value: str) -> list[str]:
+    items = [v.strip() for v in value.split(",") if v.strip()]
+    if not items:
+        raise typer.BadParameter("expected a comma-separated list")
+    return items
+
+
+def csv_ints(value: str) -> list[int]:
+    try:
+        out = [int(v) for v in csv_list(value)]
+    except ValueError:
+        raise typer.BadParameter(f"expected comma-separated integers, got {value!r}") from None
+    if any(v < 0 for v in out):
+        raise typer.BadParameter("values must be non-negative")
+    return out
+
+
+def write_json(path: Path | None, data: Any) -> None:
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+    typer.echo(f"wrote {path}")
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [[str(h) for h in headers]] + [[_fmt(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = [
+        "  ".join(
+            c.rjust(w) if j else c.ljust(w) for j, (c, w) in enumerate(zip(r, widths, strict=True))
+        )
+        for r in cells
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _fmt(c: Any) -> str:
+    if isinstance(c, float):
+        return f"{c:.4g}"
+    return str(c)

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Set up (scripts/setup.sh) and run the whole test suite, slow tests included.
+# Extra arguments go to pytest, e.g. `scripts/test.sh -m "not slow"` for the inner loop.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+set +e
+.venv/bin/python -m pytest "$@"
+rc=$?
+set -e
+if [ "$rc" -eq 5 ]; then echo "test.sh: pytest collected no tests"; exit 1; fi
+exit "$rc"
