@@ -1,0 +1,27 @@
+"""Engine profiles shipped with the simulators (``bench/data/profiles/*.json``) or on disk."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from controllers.profile import EngineProfile
+
+PROFILE_DIR = Path(__file__).parent / "data" / "profiles"
+
+
+def shipped_profiles() -> list[str]:
+    return sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
+
+
+def load_profile(name_or_path: str | Path) -> EngineProfile:
+    """A shipped profile by name (e.g. ``a6000_llama31_8b``) or a profile JSON by path."""
+    path = Path(name_or_path)
+    if path.suffix == ".json" and path.exists():
+        return EngineProfile.load(path)
+    shipped = PROFILE_DIR / f"{name_or_path}.json"
+    if shipped.exists():
+        return EngineProfile.load(shipped)
+    raise FileNotFoundError(
+        f"no engine profile {str(name_or_path)!r}: not a JSON file, and not one of the shipped "
+        f"profiles {shipped_profiles()}"
+    )
