@@ -14,7 +14,17 @@ from controllers.decode.base import (
     RunningRequestView,
     WaitingRequestView,
 )
+from controllers.decode.baselines import (
+    DynamicBatchAdmission,
+    FCFSAdmission,
+    PriorityAdmission,
+)
 from controllers.decode.config import DynamicBatchConfig, TWPConfig
+from controllers.decode.registry import (
+    DecodePolicySpec,
+    decode_policy_names,
+    make_decode_policy,
+)
 from controllers.decode.twp import (
     TWP,
     TWPCounters,
@@ -32,6 +42,12 @@ from controllers.decode.twp import (
 )
 
 __all__ = [
+    "DecodePolicySpec",
+    "DynamicBatchAdmission",
+    "FCFSAdmission",
+    "PriorityAdmission",
+    "decode_policy_names",
+    "make_decode_policy",
     "TWP",
     "AdmissionDecision",
     "DecodeAdmissionPolicy",
