@@ -1,0 +1,207 @@
+"""The global prefix index: which replica holds how many leading blocks of a prompt.
+
+Block hashes are the unsigned 64-bit ints of :mod:`cluster.hashing` (the form vLLM's KV events
+carry). Each replica has an *epoch*: :meth:`PrefixIndex.register` starts a new one (a restarted
+replica, or one whose event stream had a gap, starts clean) and every entry is stored as
+``replica -> epoch``; lookups count an entry only when its epoch is the replica's live epoch.
+So :meth:`PrefixIndex.drop_replica` is O(1): it forgets the live epoch, and the replica's
+entries become invisible at once (the feed may :meth:`~PrefixIndex.purge` them later, off the
+hot path).
+
+Contract, shared by every backend (``tests/contract/test_prefix_index_contract.py``):
+
+- ``register(replica) -> epoch``: marks the replica live under a new epoch, greater than any
+  epoch it had before in this index; entries of older epochs stop counting.
+- ``record(replica, hashes) -> bool`` / ``evict(replica, hashes) -> bool``: add/remove the
+  replica's entries for these blocks under its live epoch; ``False`` (and no change) when the
+  replica is not live, e.g. after ``drop_replica`` or when a Redis restart lost the state: the
+  caller then registers again and re-records (see :mod:`cluster.feed`). Idempotent.
+- ``match(hashes) -> {replica: n}``: for each live replica holding the first block, ``n`` is
+  the number of leading blocks of ``hashes`` it holds with no gap; replicas with ``n = 0`` are
+  absent. The scan stops at the first block no live replica holds. One round trip.
+- ``drop_replica(replica)``: the replica stops counting at once (O(1)).
+- ``heartbeat(replica)``: liveness. With ``liveness_ttl_s`` set, a replica whose last
+  heartbeat (or ``register``) is older than that is ignored by ``match`` and by
+  ``live_replicas`` until the next heartbeat; entries are kept.
+- ``live_replicas() -> {replica: epoch}``; ``purge(replica, hashes)`` deletes the replica's
+  entries on ``hashes`` whose epoch is not live (garbage of old epochs); ``close()``.
+
+The routing policy and the ingress call ``match`` on the hot path and must bound it with a
+time-out (``asyncio.wait_for``) and fall back to load-only routing when it expires.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable, Sequence
+from typing import Literal, Protocol, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+Clock = Callable[[], float]
+
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
+
+
+class IndexConfig(BaseModel):
+    """Where the index lives and how it is namespaced."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    backend: Literal["memory", "redis"] = Field(
+        default="memory", description="'memory' (embedded, one process) or 'redis' (shared)."
+    )
+    redis_url: str = Field(
+        default="redis://127.0.0.1:6379/0", description="redis:// URL of the Redis backend."
+    )
+    app: str = Field(default="pdserve", min_length=1, description="Application name (namespace).")
+    deployment: str = Field(
+        default="prefill", min_length=1, description="Deployment/pool name (namespace)."
+    )
+    liveness_ttl_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="Ignore replicas without a heartbeat for this long (None: no expiry).",
+    )
+    write_batch: int = Field(
+        default=1024, ge=64, le=65536, description="Block events per write round trip (max)."
+    )
+    socket_timeout_s: float = Field(
+        default=1.0, gt=0, description="Redis socket time-out (a backstop; callers time out)."
+    )
+
+    @field_validator("app", "deployment")
+    @classmethod
+    def _plain(cls, v: str) -> str:
+        if not _NAME.match(v):
+            raise ValueError(f"{v!r}: use letters, digits, '_', '.', '-' only")
+        return v
+
+    @property
+    def namespace(self) -> str:
+        """Key prefix; the braces make every key of one namespace one Redis Cluster slot."""
+        return f"pdx:{{{self.app}:{self.deployment}}}:"
+
+
+@runtime_checkable
+class PrefixIndex(Protocol):
+    """The async prefix-index interface (see the module docstring for the contract)."""
+
+    async def register(self, replica: str) -> int: ...
+
+    async def record(self, replica: str, hashes: Sequence[int]) -> bool: ...
+
+    async def evict(self, replica: str, hashes: Sequence[int]) -> bool: ...
+
+    async def match(self, hashes: Sequence[int]) -> dict[str, int]: ...
+
+    async def drop_replica(self, replica: str) -> None: ...
+
+    async def heartbeat(self, replica: str) -> bool: ...
+
+    async def live_replicas(self) -> dict[str, int]: ...
+
+    async def purge(self, replica: str, hashes: Sequence[int]) -> None: ...
+
+    async def close(self) -> None: ...
+
+
+class MemoryPrefixIndex:
+    """In-process backend: dicts guarded by nothing (one event loop owns it)."""
+
+    def __init__(self, config: IndexConfig | None = None, clock: Clock = time.time) -> None:
+        self.config = config or IndexConfig()
+        self._clock = clock
+        self._blocks: dict[int, dict[str, int]] = {}
+        self._live: dict[str, int] = {}
+        self._epochs: dict[str, int] = {}
+        self._seen: dict[str, float] = {}
+
+    def _alive(self) -> dict[str, int]:
+        ttl = self.config.liveness_ttl_s
+        if ttl is None:
+            return self._live
+        floor = self._clock() - ttl
+        return {r: e for r, e in self._live.items() if self._seen.get(r, -1.0) >= floor}
+
+    async def register(self, replica: str) -> int:
+        epoch = self._epochs.get(replica, 0) + 1
+        self._epochs[replica] = epoch
+        self._live[replica] = epoch
+        self._seen[replica] = self._clock()
+        return epoch
+
+    async def record(self, replica: str, hashes: Sequence[int]) -> bool:
+        epoch = self._live.get(replica)
+        if epoch is None:
+            return False
+        for h in hashes:
+            self._blocks.setdefault(h, {})[replica] = epoch
+        return True
+
+    async def evict(self, replica: str, hashes: Sequence[int]) -> bool:
+        if replica not in self._live:
+            return False
+        for h in hashes:
+            holders = self._blocks.get(h)
+            if holders is not None:
+                holders.pop(replica, None)
+                if not holders:
+                    del self._blocks[h]
+        return True
+
+    async def match(self, hashes: Sequence[int]) -> dict[str, int]:
+        alive = self._alive()
+        out: dict[str, int] = {}
+        cand: dict[str, int] | None = None
+        for depth, h in enumerate(hashes):
+            holders = self._blocks.get(h, {})
+            pool = alive if cand is None else cand
+            nxt = {r: e for r, e in holders.items() if pool.get(r) == e}
+            if cand is not None:
+                out.update((r, depth) for r in cand if r not in nxt)
+            cand = nxt
+            if not cand:
+                return out
+        if cand:
+            out.update((r, len(hashes)) for r in cand)
+        return out
+
+    async def drop_replica(self, replica: str) -> None:
+        self._live.pop(replica, None)
+        self._seen.pop(replica, None)
+
+    async def heartbeat(self, replica: str) -> bool:
+        if replica not in self._live:
+            return False
+        self._seen[replica] = self._clock()
+        return True
+
+    async def live_replicas(self) -> dict[str, int]:
+        return dict(self._alive())
+
+    async def purge(self, replica: str, hashes: Sequence[int]) -> None:
+        live = self._live.get(replica)
+        for h in hashes:
+            holders = self._blocks.get(h)
+            if holders is not None and replica in holders and holders[replica] != live:
+                del holders[replica]
+                if not holders:
+                    del self._blocks[h]
+
+    async def close(self) -> None:
+        return None
+
+    def entry_count(self) -> int:
+        """Stored (block, replica) entries, stale ones included (for tests and benchmarks)."""
+        return sum(len(v) for v in self._blocks.values())
+
+
+def make_index(config: IndexConfig, clock: Clock = time.time) -> PrefixIndex:
+    """The backend named by ``config.backend`` (Redis is imported only when asked for)."""
+    if config.backend == "redis":
+        from cluster.redis_index import RedisPrefixIndex
+
+        return RedisPrefixIndex(config, clock=clock)
+    return MemoryPrefixIndex(config, clock=clock)

@@ -1,0 +1,237 @@
+"""One contract suite over both prefix-index backends (in-memory and a real redis-server)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cluster.index import IndexConfig, MemoryPrefixIndex, PrefixIndex, make_index
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.t = 1000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+Factory = Callable[..., PrefixIndex]
+
+
+@pytest.fixture(params=["memory", pytest.param("redis", marks=pytest.mark.integration)])
+def factory(request: pytest.FixtureRequest) -> Factory:
+    """Builds an index of the parametrised backend in a fresh namespace; call it in the loop."""
+    backend = request.param
+    url = request.getfixturevalue("redis_url") if backend == "redis" else "redis://unused"
+
+    def make(clock: FakeClock | None = None, **kw: Any) -> PrefixIndex:
+        cfg = IndexConfig(backend=backend, redis_url=url, app="t" + uuid.uuid4().hex[:10], **kw)
+        return make_index(cfg, clock=clock or FakeClock())
+
+    return make
+
+
+def run(factory: Factory, body: Callable[[PrefixIndex], Awaitable[None]], **kw: Any) -> None:
+    async def main() -> None:
+        ix = factory(**kw)
+        try:
+            await body(ix)
+        finally:
+            await ix.close()
+
+    asyncio.run(main())
+
+
+H = [0x1111, 0x2222, 0x3333, 0x4444, (1 << 64) - 1]
+
+
+def test_is_a_prefix_index(factory: Factory) -> None:
+    async def body(ix: PrefixIndex) -> None:
+        assert isinstance(ix, PrefixIndex)
+
+    run(factory, body)
+
+
+def test_match_counts_leading_blocks_and_stops_at_gaps(factory: Factory) -> None:
+    async def body(ix: PrefixIndex) -> None:
+        for r in "abc":
+            await ix.register(r)
+        assert await ix.record("a", H[:3])
+        assert await ix.record("b", [H[0], H[2], H[3]])  # gap at H[1]
+        assert await ix.record("c", H[1:])  # lacks the first block
+        assert await ix.match(H) == {"a": 3, "b": 1}
+        assert await ix.match(H[:1]) == {"a": 1, "b": 1}
+        assert await ix.match(H[1:]) == {"a": 2, "c": 4}
+        assert await ix.match([]) == {}
+        assert await ix.match([0x9999, *H]) == {}
+
+    run(factory, body)
+
+
+def test_full_match_and_idempotent_writes(factory: Factory) -> None:
+    async def body(ix: PrefixIndex) -> None:
+        await ix.register("a")
+        assert await ix.record("a", H)
+        assert await ix.record("a", H)
+        assert await ix.match(H) == {"a": len(H)}
+        assert await ix.evict("a", [H[2]])
+        assert await ix.evict("a", [H[2], 0x7777])
+        assert await ix.match(H) == {"a": 2}
+
+    run(factory, body)
+
+
+def test_drop_hides_entries_and_blocks_late_writes(factory: Factory) -> None:
+    async def body(ix: PrefixIndex) -> None:
+        await ix.register("a")
+        await ix.register("b")
+        await ix.record("a", H)
+        await ix.record("b", H[:2])
+        await ix.drop_replica("a")
+        assert await ix.match(H) == {"b": 2}
+        assert await ix.live_replicas() == {"b": 1}
+        assert not await ix.record("a", H)
+        assert not await ix.evict("a", H)
+        assert not await ix.heartbeat("a")
+        await ix.drop_replica("never-registered")
+
+    run(factory, body)
+
+
+def test_new_epoch_starts_clean_and_purge_removes_only_stale(factory: Factory) -> None:
+    async def body(ix: PrefixIndex) -> None:
+        e1 = await ix.register("a")
+        await ix.record("a", H)
+        await ix.drop_replica("a")
+        e2 = await ix.register("a")  # restarted replica
+        assert e2 > e1
+        assert await ix.match(H) == {}
+        await ix.record("a", H[:1])
+        assert await ix.match(H) == {"a": 1}
+        await ix.purge("a", H)
+        assert await ix.match(H) == {"a": 1}  # the live entry survives a purge
+        e3 = await ix.register("a")  # e.g. a gap in the event stream
+        assert e3 > e2
+        assert await ix.match(H) == {}
+        if isinstance(ix, MemoryPrefixIndex):
+            assert ix.entry_count() == 1  # stale epoch-1 entries went in the first purge
+            await ix.purge("a", H)
+            assert ix.entry_count() == 0
+
+    run(factory, body)
+
+
+def test_liveness_ttl_hides_silent_replicas(factory: Factory) -> None:
+    clock = FakeClock()
+
+    async def body(ix: PrefixIndex) -> None:
+        await ix.register("a")
+        await ix.register("b")
+        await ix.record("a", H)
+        await ix.record("b", H)
+        clock.t += 6.0
+        assert await ix.heartbeat("b")
+        clock.t += 6.0  # a: 12 s silent, b: 6 s
+        assert await ix.match(H) == {"b": len(H)}
+        assert await ix.live_replicas() == {"b": 1}
+        assert await ix.heartbeat("a")
+        assert await ix.match(H) == {"a": len(H), "b": len(H)}
+
+    run(factory, body, clock=clock, liveness_ttl_s=10.0)
+
+
+def test_namespaces_do_not_collide(factory: Factory) -> None:
+    async def body(ix: PrefixIndex) -> None:
+        other = factory()
+        try:
+            await ix.register("a")
+            await ix.record("a", H)
+            assert await other.match(H) == {}
+            await other.register("a")
+            assert await other.match(H) == {}
+        finally:
+            await other.close()
+
+    run(factory, body)
+
+
+def test_large_batches_are_written(factory: Factory) -> None:
+    many = list(range(1, 3000))
+
+    async def body(ix: PrefixIndex) -> None:
+        await ix.register("a")
+        assert await ix.record("a", many)
+        assert await ix.match(many) == {"a": len(many)}
+        assert await ix.evict("a", many[1000:])
+        assert await ix.match(many) == {"a": 1000}
+
+    run(factory, body, write_batch=256)
+
+
+def test_bad_namespace_names_the_field() -> None:
+    with pytest.raises(ValueError, match="deployment"):
+        IndexConfig(deployment="a:b}")
+    with pytest.raises(ValueError, match="write_batch"):
+        IndexConfig(write_batch=8)
+
+
+# A reference model: ops on a few replicas and blocks, then match() on several prompts.
+OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["register", "record", "evict", "drop"]),
+        st.sampled_from(["a", "b", "c"]),
+        st.lists(st.integers(0, 5), max_size=4),
+    ),
+    max_size=25,
+)
+
+
+def _reference(ops: list[tuple[str, str, list[int]]], prompt: list[int]) -> dict[str, int]:
+    held: dict[str, set[int]] = {}
+    for op, r, hs in ops:
+        if op == "register":
+            held[r] = set()
+        elif op == "drop":
+            held.pop(r, None)
+        elif r in held:
+            (held[r].update if op == "record" else held[r].difference_update)(hs)
+    out = {}
+    for r, s in held.items():
+        n = 0
+        while n < len(prompt) and prompt[n] in s:
+            n += 1
+        if n:
+            out[r] = n
+    return out
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(ops=OPS)
+def test_matches_reference_model(factory: Factory, ops: list[tuple[str, str, list[int]]]) -> None:
+    prompts = [[0, 1, 2, 3], [1, 2], [5, 4, 3, 2, 1, 0]]
+
+    async def body(ix: PrefixIndex) -> None:
+        for op, r, hs in ops:
+            coro: Coroutine[Any, Any, Any]
+            if op == "register":
+                coro = ix.register(r)
+            elif op == "record":
+                coro = ix.record(r, hs)
+            elif op == "evict":
+                coro = ix.evict(r, hs)
+            else:
+                coro = ix.drop_replica(r)
+            await coro
+        for p in prompts:
+            assert await ix.match(p) == _reference(ops, p)
+
+    run(factory, body)
