@@ -15,9 +15,14 @@ called once per arrival (and per retry of a held request).
   this as ``fast_loading``: 1 s instead of 10 s) and while a container is starting,
   requests beyond the warm ones' target wait for it instead of waking yet another.
   Live migration is not modelled.
-- :class:`HeadroomDispatch` (TWP): the warm container with the most published TWP
-  headroom ``H_t - K_t`` that fits the request's ``L_hat`` and prompt blocks; else a cold
-  container; else ``hold`` (pd: before prefill) or the most headroom (colocated).
+- :class:`HeadroomDispatch` (TWP): among the live containers whose published TWP
+  headroom ``H_t - K_t`` fits the request's ``L_hat`` and prompt blocks, the one with the
+  fewest outstanding requests (ties: most headroom); else a cold container; else
+  ``hold`` at the router (pd: before the prefill starts) or, colocated, the live
+  container with the most headroom. Headroom filters, the outstanding count balances:
+  ranking by headroom alone was tried and balanced worse, because ``K_t`` counts a request
+  that outlived its ``L_hat`` as one token (``r_i = max(1, ...)``), so containers holding
+  long requests look emptier than they are.
 """
 
 from __future__ import annotations
@@ -126,7 +131,7 @@ class HeadroomDispatch:
             if room(c) >= need and c.free_blocks >= req.prompt_blocks + self.kv_guard_blocks
         ]
         if fits:
-            return max(fits, key=lambda c: (room(c) / max(1.0, c.window_tokens), -c.index)).index
+            return min(fits, key=lambda c: (c.outstanding, -room(c), c.index)).index
         if cold:
             return cold[0].index
         if self.hold_when_full or not live:

@@ -44,7 +44,9 @@ class DecodePolicySpec:
     fast_loading: bool = False
 
 
-def _twp(weights: tuple[float, float, float] | None) -> Callable[..., DecodePolicySpec]:
+def _twp(
+    weights: tuple[float, float, float] | None, fast_loading: bool = False
+) -> Callable[..., DecodePolicySpec]:
     def build(
         name: str, profile: EngineProfile, mode: Mode, L_bar: int, twp: TWPConfig | None
     ) -> DecodePolicySpec:
@@ -60,7 +62,10 @@ def _twp(weights: tuple[float, float, float] | None) -> Callable[..., DecodePoli
                 }
             )
         return DecodePolicySpec(
-            name, HeadroomDispatch(hold_when_full=mode == "pd"), lambda: TWP(profile, cfg, name)
+            name,
+            HeadroomDispatch(hold_when_full=mode == "pd"),
+            lambda: TWP(profile, cfg, name),
+            fast_loading=fast_loading,
         )
 
     return build
@@ -83,6 +88,9 @@ _BUILDERS: dict[str, Callable[..., DecodePolicySpec]] = {
         n, LocalityAwareDispatch(p.decode.b0), lambda: FCFSAdmission(n, L), fast_loading=True
     ),
     "twp": _twp(None),
+    # TWP's gate on ServerlessLLM's fast checkpoint loading: separates the gate's effect
+    # from the pool's (TWP itself "does not interact with container provisioning").
+    "twp_fastload": _twp(None, fast_loading=True),
     # Ranking ablations: one term off at a time, and equal weights.
     "twp_no_starvation": _twp((0.0, 0.3, 0.2)),
     "twp_no_balance": _twp((0.5, 0.0, 0.2)),
