@@ -168,7 +168,7 @@ def build_model(out_dir: str | Path, preset: str = "test", seed: int = 0) -> Pat
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
     torch.random.set_rng_state(saved_rng)
-    model = model.to(dtype=torch.bfloat16)
+    model = model.bfloat16()
     model.generation_config = GenerationConfig(
         bos_token_id=ids["<s>"], eos_token_id=ids["</s>"], pad_token_id=ids["<pad>"]
     )

@@ -1,0 +1,95 @@
+"""Parameters of the vLLM scheduler plug-ins (one node of the project's config tree).
+
+The plug-ins are constructed by vLLM inside its engine process, so their parameters travel
+in vLLM's own config: ``additional_config={"pdserve": {...}}`` (``--additional-config`` on
+the command line). :func:`engine_config_from_vllm` validates them when the scheduler is
+built, so a bad value is an error at engine start that names the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from controllers.config import FairwayConfig
+from controllers.decode.config import TWPConfig
+from controllers.prefill import prefill_policy_names
+from controllers.profile import EngineProfile
+
+ADDITIONAL_CONFIG_KEY = "pdserve"
+
+
+class EngineSchedulerConfig(BaseModel):
+    """What a pdserve scheduler plug-in does inside one vLLM engine."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prefill_policy: str | None = Field(
+        default=None,
+        description="Waiting-queue order by registry name (fcfs, lpm, fairway, ...); "
+        "None: the scheduler class's default (FairwayScheduler: fairway; TWPScheduler: none, "
+        "i.e. vLLM's own arrival order).",
+    )
+    fairway: FairwayConfig = Field(
+        default_factory=FairwayConfig, description="Fairway's parameters (paper values)."
+    )
+    gate: Literal["default", "none", "twp"] = Field(
+        default="default",
+        description="Admission gate: twp (Token Window Pacing), none, or the class default.",
+    )
+    twp: TWPConfig = Field(default_factory=TWPConfig, description="TWP's parameters.")
+    colocated_chunking: bool = Field(
+        default=True,
+        description="Colocated mode: set vLLM's long_prefill_token_threshold to TWP's chunk C "
+        "when the engine has none (vLLM keeps doing the chunking).",
+    )
+    profile: EngineProfile | str | None = Field(
+        default=None,
+        description="Engine profile (patience table, decode l_min/B0/alpha): inline, a JSON "
+        "path, or a shipped profile name. Needed by fairway, peek and twp.",
+    )
+    channel: str | None = Field(
+        default=None,
+        description="ZMQ endpoint the plug-in publishes its state on (PUB, bound), e.g. "
+        "ipc:///tmp/pdserve-prefill-0.state or tcp://127.0.0.1:5601; None: not published.",
+    )
+    publish_every_steps: int = Field(
+        default=1, ge=1, description="Publish the state every this many engine steps."
+    )
+    engine_name: str = Field(
+        default="engine", min_length=1, description="Name of this engine in published state."
+    )
+    history_steps: int = Field(
+        default=20000, ge=1, description="Per-step timing records kept in memory (a ring)."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> EngineSchedulerConfig:
+        if self.prefill_policy is not None and self.prefill_policy not in prefill_policy_names():
+            raise ValueError(
+                f"prefill_policy: unknown prefill policy {self.prefill_policy!r}; "
+                f"known: {', '.join(prefill_policy_names())}"
+            )
+        return self
+
+    def load_profile(self) -> EngineProfile | None:
+        """The profile object (loading a path or shipped name); ``None`` when not set."""
+        if self.profile is None or isinstance(self.profile, EngineProfile):
+            return self.profile
+        from bench.profiles import load_profile
+
+        return load_profile(self.profile)
+
+
+def engine_config_from_vllm(additional_config: Any) -> EngineSchedulerConfig:
+    """Validate ``additional_config["pdserve"]``; raise ``ValueError`` naming the bad field."""
+    raw: Any = {}
+    if isinstance(additional_config, dict):
+        raw = additional_config.get(ADDITIONAL_CONFIG_KEY, {})
+    try:
+        return EngineSchedulerConfig.model_validate(raw)
+    except ValidationError as e:
+        raise ValueError(
+            f"invalid pdserve scheduler config (additional_config[{ADDITIONAL_CONFIG_KEY!r}]): {e}"
+        ) from None

@@ -1,0 +1,491 @@
+"""vLLM scheduler plug-ins: Fairway (and its baselines) order ``waiting``; TWP gates it.
+
+Load one through vLLM's ``scheduler_cls`` (``EngineArgs.scheduler_cls``,
+``--scheduler-cls``), with parameters in ``additional_config={"pdserve": {...}}``
+(:class:`engines.config.EngineSchedulerConfig`):
+
+- ``engines.scheduler.FairwayScheduler``: orders the waiting queue with a prefill policy
+  (default ``fairway``; ``fcfs``, ``lpm``, ... through the same code path).
+- ``engines.scheduler.TWPScheduler``: Token Window Pacing admission gate, vLLM's order.
+- ``engines.scheduler.ColocatedScheduler``: Fairway orders, TWP gates, and prefill is chunked
+  by vLLM itself through ``long_prefill_token_threshold`` (set to TWP's ``C`` if unset).
+- ``Async*`` variants extend vLLM's ``AsyncScheduler`` for GPU engines with async scheduling
+  on. The CPU platform forces ``async_scheduling=False``, so those are untested here.
+
+What the plug-ins do per engine step, and nothing else (vLLM keeps the budget loop, chunking,
+allocation and preemption):
+
+1. ``_collect``: per waiting request, the cached prefix from the KV cache manager
+   (:class:`engines.prefix_probe.PrefixProbe`: no side effects, recomputed only for new
+   arrivals or changed blocks), the arrival time, and the patience from the full prompt
+   length (computed once per request).
+2. ``_order``: the prefill policy's order replaces the order of ``self.waiting``.
+3. ``_gate``: TWP's held requests are taken out of ``waiting`` for this ``schedule()`` call
+   only and put back right after it, so vLLM never admits them in this step.
+4. After each step (``update_from_output``): the step's wall time, the ITL sample (the gap
+   between consecutive steps that carried decode tokens, idle gaps excluded), TWP's
+   ``observe``, a :class:`StepRecord`, and the state snapshot on the channel.
+
+Timing uses ``self.clock`` (monotonic, replaceable by tests); arrival times and Fairway's
+``now`` use ``self.wall_clock`` because vLLM stamps ``Request.arrival_time`` with
+``time.time()``. ``self.extra_step_latency`` (``None`` unless a test or experiment sets it)
+adds a modelled delay, a function of the batch size, to every measured step time, so a
+slowdown can be injected without sleeping.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any, ClassVar
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.request_queue import SchedulingPolicy
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus
+
+from controllers.decode.base import (
+    AdmissionDecision,
+    DecodeObservation,
+    DecodeView,
+    EngineView,
+    FinishedRequest,
+    RunningRequestView,
+    WaitingRequestView,
+)
+from controllers.decode.twp import TWP
+from controllers.prefill import (
+    Fairway,
+    PrefillPolicy,
+    PrefillQueueView,
+    PrefillRequestView,
+    make_prefill_policy,
+    patience_s,
+)
+from controllers.prefill.fairway import FAST
+from controllers.profile import EngineProfile
+from engines.config import EngineSchedulerConfig, engine_config_from_vllm
+from engines.prefix_probe import PrefixProbe
+from engines.state_channel import StatePublisher
+
+_NEEDS_PROFILE = ("fairway", "peek")
+
+
+@dataclass(slots=True)
+class StepRecord:
+    """One engine step as the plug-in saw it (seconds; token and request counts)."""
+
+    step: int
+    waiting: int
+    running: int
+    hook_s: float
+    schedule_s: float
+    step_s: float
+    scheduled_tokens: int
+    decode_requests: int
+    itl_s: float
+    window_tokens: float
+    token_load: int
+
+
+@dataclass(slots=True)
+class _ReqInfo:
+    arrival_s: float
+    patience_s: float
+    first_step: int
+    first_seen_s: float
+    tenant: str
+    l_hat: int = 0
+
+
+class PdserveSchedulerMixin:
+    """The plug-in logic; combined with vLLM's ``Scheduler`` or ``AsyncScheduler`` below."""
+
+    default_prefill_policy: ClassVar[str | None] = None
+    default_gate: ClassVar[str] = "none"
+    colocated: ClassVar[bool] = False
+
+    # Attributes of vLLM's Scheduler that the mixin uses (for the type checker).
+    waiting: Any
+    running: list[Any]
+    requests: dict[str, Any]
+    kv_cache_manager: Any
+    scheduler_config: Any
+    cache_config: Any
+    vllm_config: Any
+    policy: Any
+    block_size: int
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.policy != SchedulingPolicy.FCFS:
+            raise ValueError(
+                "pdserve schedulers order the queue themselves: use scheduling policy 'fcfs' "
+                f"(got {self.policy.value!r})"
+            )
+        self.clock: Callable[[], float] = time.monotonic
+        self.wall_clock: Callable[[], float] = time.time
+        self.extra_step_latency: Callable[[int], float] | None = None
+        self.probe = PrefixProbe(self.kv_cache_manager)
+        self._publisher: StatePublisher | None = None
+        self.configure(engine_config_from_vllm(self.vllm_config.additional_config))
+
+    # ----- configuration -------------------------------------------------------------
+    def configure(self, cfg: EngineSchedulerConfig) -> None:
+        """(Re)build policy, gate and channel from ``cfg``; clears per-request state.
+
+        Called at engine start; tests and benchmarks may call it again while the engine is
+        idle to switch policy without a new engine. Raises ``ValueError`` naming the field.
+        """
+        profile: EngineProfile | None = cfg.load_profile()
+        name = cfg.prefill_policy or self.default_prefill_policy
+        if name is not None and name.startswith(_NEEDS_PROFILE) and profile is None:
+            raise ValueError(f"profile: prefill policy {name!r} needs an engine profile")
+        gate = self.default_gate if cfg.gate == "default" else cfg.gate
+        if gate == "twp" and profile is None:
+            raise ValueError("profile: the twp gate needs an engine profile (decode l_min, B0)")
+        self.pd_config = cfg
+        self.profile = profile
+        self.prefill: PrefillPolicy | None = (
+            make_prefill_policy(name, profile, cfg.fairway) if name is not None else None
+        )
+        self.gate: TWP | None = TWP(profile, cfg.twp) if gate == "twp" and profile else None
+        if (
+            self.gate is not None
+            and self.colocated
+            and cfg.colocated_chunking
+            and not self.scheduler_config.long_prefill_token_threshold
+        ):
+            self.scheduler_config.long_prefill_token_threshold = cfg.twp.C
+        if self._publisher is not None and self._publisher.endpoint != cfg.channel:
+            self._publisher.close()
+            self._publisher = None
+        if cfg.channel and self._publisher is None:
+            self._publisher = StatePublisher(cfg.channel)
+        self.records: deque[StepRecord] = deque(maxlen=cfg.history_steps)
+        self._info: dict[str, _ReqInfo] = {}
+        self._step = 0
+        self._pending: deque[dict[str, Any]] = deque()
+        self._last_decode_end: float | None = None
+        self._last_itl = 0.0
+        self._lanes = {"fast": 0, "fair": 0}
+        self._queued_uncached = 0
+        self._token_load = 0
+        self.last_state: dict[str, Any] = {}
+
+    # ----- the step hooks ------------------------------------------------------------
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        t0 = self.clock()
+        n_waiting = len(self.waiting)
+        held = self._before_schedule(t0) if n_waiting else []
+        t1 = self.clock()
+        try:
+            out = super().schedule(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            if held:
+                self.waiting.extend(held)
+        t2 = self.clock()
+        decode = 0
+        for rid in out.num_scheduled_tokens:
+            r = self.requests.get(rid)
+            if r is not None and r.num_output_tokens > 0 and not r.is_prefill_chunk:
+                decode += 1
+        # A queue: with async scheduling, schedule() of step t+1 runs before the
+        # update_from_output() of step t.
+        self._pending.append(
+            {
+                "t0": t0,
+                "hook_s": t1 - t0,
+                "schedule_s": t2 - t0,
+                "waiting": n_waiting,
+                "tokens": out.total_num_scheduled_tokens,
+                "decode": decode,
+                "ids": list(out.num_scheduled_tokens),
+            }
+        )
+        return out
+
+    def update_from_output(self, scheduler_output: Any, model_output: Any) -> Any:
+        pend = self._pending.popleft() if self._pending else None
+        stepped = (
+            [self.requests[rid] for rid in pend["ids"] if rid in self.requests] if pend else []
+        )
+        outputs = super().update_from_output(scheduler_output, model_output)  # type: ignore[misc]
+        if pend is None:
+            return outputs
+        t = self.clock()
+        step_s = t - pend["t0"]
+        if self.extra_step_latency is not None:
+            step_s += self.extra_step_latency(len(self.running))
+        itl = 0.0
+        if pend["decode"]:
+            if self._last_decode_end is not None:
+                itl = t - self._last_decode_end
+                if self.extra_step_latency is not None:
+                    itl += self.extra_step_latency(len(self.running))
+            else:
+                itl = step_s
+            self._last_decode_end = t
+            self._last_itl = itl
+        if not self.has_unfinished_requests():  # type: ignore[attr-defined]
+            self._last_decode_end = None  # an idle gap follows: not an ITL
+        finished = [r for r in stepped if r.is_finished()]
+        if self.gate is not None:
+            self.gate.observe(
+                DecodeObservation(
+                    step_index=self._step,
+                    step_latency_s=itl,
+                    free_blocks=self.kv_cache_manager.block_pool.get_num_free_blocks(),
+                    total_blocks=self._total_blocks(),
+                    queue_depth=len(self.waiting),
+                    batch_size=len(self.running),
+                    finished=tuple(
+                        FinishedRequest(self._tenant(r), r.num_output_tokens) for r in finished
+                    ),
+                )
+            )
+        for r in finished:
+            self._info.pop(r.request_id, None)
+        rec = StepRecord(
+            step=self._step,
+            waiting=pend["waiting"],
+            running=len(self.running),
+            hook_s=pend["hook_s"],
+            schedule_s=pend["schedule_s"],
+            step_s=step_s,
+            scheduled_tokens=pend["tokens"],
+            decode_requests=pend["decode"],
+            itl_s=itl,
+            window_tokens=self.gate.window_tokens if self.gate else 0.0,
+            token_load=self._token_load,
+        )
+        self.records.append(rec)
+        self._step += 1
+        if self._step % self.pd_config.publish_every_steps == 0:
+            self._publish(rec)
+        return outputs
+
+    # ----- phases --------------------------------------------------------------------
+    def _before_schedule(self, now_mono: float) -> list[Any]:
+        if self.prefill is None and self.gate is None:
+            return []
+        waiting = list(self.waiting)
+        cached = self._collect(waiting, now_mono)
+        ordered = self._order(waiting, cached) if self.prefill is not None else waiting
+        admitted, held = self._gate(ordered, cached, now_mono)
+        if self.prefill is not None or held:
+            self.waiting.clear()
+            self.waiting.extend(admitted)
+        return held
+
+    def _collect(self, waiting: list[Any], now_mono: float) -> dict[str, int]:
+        info = self._info
+        for r in waiting:
+            if r.request_id not in info:
+                info[r.request_id] = _ReqInfo(
+                    arrival_s=r.arrival_time,
+                    patience_s=(
+                        patience_s(r.num_prompt_tokens, self.profile, self.pd_config.fairway)
+                        if self.profile is not None
+                        else self.pd_config.fairway.slo_floor_s
+                    ),
+                    first_step=self._step,
+                    first_seen_s=now_mono,
+                    tenant=r.cache_salt or "",
+                )
+        cached = self.probe.refresh(waiting)
+        return cached
+
+    def _order(self, waiting: list[Any], cached: dict[str, int]) -> list[Any]:
+        assert self.prefill is not None
+        info = self._info
+        views = []
+        queued = 0
+        for r in waiting:
+            rid = r.request_id
+            c = cached.get(rid, 0)
+            unc = max(0, r.num_tokens - c)
+            queued += unc
+            i = info[rid]
+            views.append(
+                PrefillRequestView(
+                    request_id=rid,
+                    arrival_s=i.arrival_s,
+                    prompt_tokens=r.num_prompt_tokens,
+                    patience_s=i.patience_s,
+                    cached_tokens=c,
+                    uncached_tokens=unc,
+                    tenant=i.tenant,
+                )
+            )
+        self._queued_uncached = queued
+        queue = PrefillQueueView.of(views)
+        now = self.wall_clock()
+        if isinstance(self.prefill, Fairway):
+            plan = self.prefill.plan(queue, now)
+            ids = plan.order
+            fast = sum(1 for lane in plan.lanes if lane == FAST)
+            self._lanes = {"fast": fast, "fair": len(plan.lanes) - fast}
+        else:
+            ids = self.prefill.order(queue, now)
+        by_id = {r.request_id: r for r in waiting}
+        return [by_id[rid] for rid in ids]
+
+    def _gate(
+        self, ordered: list[Any], cached: dict[str, int], now_mono: float
+    ) -> tuple[list[Any], list[Any]]:
+        gate = self.gate
+        if gate is None:
+            return ordered, []
+        info = self._info
+        bs = self.block_size
+        candidates = [r for r in ordered if r.status == RequestStatus.WAITING]
+        waiting_views = []
+        for r in candidates:
+            i = info[r.request_id]
+            c = cached.get(r.request_id, 0)
+            i.l_hat = gate.expected_output(i.tenant, r.max_tokens)
+            waiting_views.append(
+                WaitingRequestView(
+                    request_id=r.request_id,
+                    tenant=i.tenant,
+                    prompt_tokens=r.num_prompt_tokens,
+                    prompt_blocks=max(0, math.ceil(r.num_tokens / bs) - c // bs),
+                    max_tokens=r.max_tokens,
+                    l_hat=i.l_hat,
+                    wait_steps=self._step - i.first_step,
+                    wait_s=max(0.0, now_mono - i.first_seen_s),
+                )
+            )
+        running_views = []
+        for r in self.running:
+            i2 = info.get(r.request_id)
+            lh = i2.l_hat if i2 is not None and i2.l_hat else gate.expected_output("", r.max_tokens)
+            running_views.append(
+                RunningRequestView(r.request_id, r.num_output_tokens, lh, self._tenant(r))
+            )
+        view = DecodeView.of(
+            waiting_views,
+            running_views,
+            EngineView(
+                free_blocks=self.kv_cache_manager.block_pool.get_num_free_blocks(),
+                total_blocks=self._total_blocks(),
+                last_step_latency_s=self._last_itl,
+                queue_depth=len(ordered),
+                step_index=self._step,
+            ),
+        )
+        self._token_load = view.token_load
+        decisions: list[AdmissionDecision] = gate.admit(view)
+        admit_ids = [d.request_id for d in decisions if d.admitted]
+        ok = set(admit_ids)
+        by_id = {r.request_id: r for r in candidates}
+        if self.prefill is not None:
+            admitted = [r for r in ordered if r.request_id in ok or r.request_id not in by_id]
+        else:  # TWP's own order among the admitted, ungated ones (blocked states) first
+            admitted = [r for r in ordered if r.request_id not in by_id]
+            admitted += [by_id[rid] for rid in admit_ids]
+        held = [r for r in ordered if r.request_id in by_id and r.request_id not in ok]
+        return admitted, held
+
+    # ----- helpers -------------------------------------------------------------------
+    def _total_blocks(self) -> int:
+        return max(1, int(self.kv_cache_manager.block_pool.num_gpu_blocks) - 1)
+
+    @staticmethod
+    def _tenant(r: Any) -> str:
+        return r.cache_salt or ""
+
+    def state(self) -> dict[str, Any]:
+        """The snapshot that goes on the channel (also useful in-process)."""
+        gate = self.gate
+        return {
+            "engine": self.pd_config.engine_name,
+            "step": self._step,
+            "ts": self.wall_clock(),
+            "prefill_policy": self.prefill.name if self.prefill is not None else None,
+            "gate": gate.name if gate is not None else None,
+            "waiting": len(self.waiting),
+            "running": len(self.running),
+            "queued_uncached_tokens": self._queued_uncached,
+            "lanes": dict(self._lanes),
+            "window_tokens": gate.window_tokens if gate is not None else None,
+            "token_load": self._token_load if gate is not None else None,
+            "slowdown": gate.state.sigma if gate is not None else None,
+            "itl_s": self._last_itl,
+            "kv_usage": float(self.kv_cache_manager.usage),
+            "free_blocks": int(self.kv_cache_manager.block_pool.get_num_free_blocks()),
+        }
+
+    def _publish(self, rec: StepRecord) -> None:
+        st = self.state()
+        st.update(
+            hook_ms=rec.hook_s * 1e3, schedule_ms=rec.schedule_s * 1e3, step_ms=rec.step_s * 1e3
+        )
+        self.last_state = st
+        if self._publisher is not None:
+            self._publisher.publish(st)
+
+    def records_as_dicts(self) -> list[dict[str, Any]]:
+        return [asdict(r) for r in self.records]
+
+    def shutdown(self) -> None:
+        if self._publisher is not None:
+            self._publisher.close()
+            self._publisher = None
+        super().shutdown()  # type: ignore[misc]
+
+
+class FairwayScheduler(PdserveSchedulerMixin, Scheduler):
+    """Orders ``waiting`` with a prefill policy each step (default: Fairway)."""
+
+    default_prefill_policy = "fairway"
+
+
+class TWPScheduler(PdserveSchedulerMixin, Scheduler):
+    """Gates admission with Token Window Pacing; vLLM's arrival order otherwise."""
+
+    default_gate = "twp"
+
+
+class ColocatedScheduler(PdserveSchedulerMixin, Scheduler):
+    """Colocated mode: Fairway orders, TWP gates, vLLM chunks prefill (threshold ``C``)."""
+
+    default_prefill_policy = "fairway"
+    default_gate = "twp"
+    colocated = True
+
+
+class AsyncFairwayScheduler(PdserveSchedulerMixin, AsyncScheduler):
+    """``FairwayScheduler`` over vLLM's ``AsyncScheduler`` (GPU, async scheduling; untested here)."""
+
+    default_prefill_policy = "fairway"
+
+
+class AsyncTWPScheduler(PdserveSchedulerMixin, AsyncScheduler):
+    """``TWPScheduler`` over vLLM's ``AsyncScheduler`` (GPU, async scheduling; untested here)."""
+
+    default_gate = "twp"
+
+
+class AsyncColocatedScheduler(PdserveSchedulerMixin, AsyncScheduler):
+    """``ColocatedScheduler`` over ``AsyncScheduler`` (GPU, async scheduling; untested here)."""
+
+    default_prefill_policy = "fairway"
+    default_gate = "twp"
+    colocated = True
+
+
+def scheduler_cls_name(mode: str, async_scheduling: bool = False) -> str:
+    """The ``scheduler_cls`` string for a serving mode: ``prefill``, ``decode`` or ``colocated``."""
+    base = {
+        "prefill": "FairwayScheduler",
+        "decode": "TWPScheduler",
+        "colocated": "ColocatedScheduler",
+    }
+    if mode not in base:
+        raise ValueError(f"unknown engine mode {mode!r}; known: {', '.join(base)}")
+    return f"engines.scheduler.{'Async' if async_scheduling else ''}{base[mode]}"
