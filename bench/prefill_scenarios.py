@@ -734,3 +734,41 @@ def build_scenario(
     if cache_fraction is not None and not 0 < cache_fraction <= 10:
         raise ValueError(f"cache_fraction must be in (0, 10], got {cache_fraction}")
     return spec.build(seed, quick, profile, load, cache_fraction)
+
+
+def write_musique_tokens(src: str | Path, out: str | Path = MUSIQUE_FILE) -> Path:
+    """Build ``bench/data/musique/musique_tokens.json`` from CacheBlend's ``musique_s.json``.
+
+    Keeps token counts only (the project's tokenizer): the distinct passages (``title. text``)
+    in order of first appearance, and per question its passage indices and question tokens.
+    """
+    from bench.tokenizer import count_tokens_batch
+
+    data = json.loads(Path(src).read_text(encoding="utf-8"))
+    index: dict[str, int] = {}
+    texts: list[str] = []
+    questions = []
+    for q in data:
+        ps = []
+        for c in q["ctxs"]:
+            t = f"{c['title']}. {c['text']}"
+            if t not in index:
+                index[t] = len(texts)
+                texts.append(t)
+            ps.append(index[t])
+        questions.append({"passages": ps, "question": q["question"]})
+    p_tok = count_tokens_batch(texts)
+    q_tok = count_tokens_batch([q["question"] for q in questions])
+    doc = {
+        "source": "YaoJiayi/CacheBlend inputs/musique_s.json (MuSiQue, CC-BY-4.0)",
+        "tokenizer": "bench/data/tokenizer/tokenizer.json",
+        "passage_tokens": p_tok,
+        "questions": [
+            {"passages": q["passages"], "question_tokens": n}
+            for q, n in zip(questions, q_tok, strict=True)
+        ],
+    }
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, separators=(",", ":")) + "\n", encoding="utf-8")
+    return path
