@@ -243,6 +243,7 @@ class DecodeSimulator:
         self.pool.expire(self.now)
         out = []
         for e, s in zip(self.engines, self.pool.slots, strict=True):
+            self._refresh_l_hat(e)
             window = float(getattr(e.policy, "window_tokens", 0.0))
             load = sum(max(1, r.l_hat - r.generated) for r in e.running)
             load += sum(r.l_hat for r in e.waiting) + sum(r.l_hat for r in e.prefill_q)
@@ -358,9 +359,17 @@ class DecodeSimulator:
     def _need_blocks(self, r: _Req) -> int:
         return -(-(r.src.prompt_tokens + r.generated) // self.bs)
 
+    def _refresh_l_hat(self, e: _Engine) -> None:
+        """Re-read ``L_hat`` of running requests (matters only for survival estimates)."""
+        if not getattr(getattr(e.policy, "config", None), "survival_l_hat", False):
+            return
+        for r in e.running:
+            r.l_hat = e.policy.expected_output(r.src.tenant, r.src.max_tokens, r.generated)
+
     def _admit(self, e: _Engine) -> None:
         if not e.waiting:
             return
+        self._refresh_l_hat(e)
         view = DecodeView(
             waiting=tuple(
                 WaitingRequestView(
@@ -568,11 +577,242 @@ def fcfs_saturated_rate(
     return res.completed / res.wall_s if res.completed else 0.0
 
 
-__all__ = [
-    "DecodeSimConfig",
-    "DecodeSimulator",
-    "PolicyResult",
-    "fcfs_saturated_rate",
-    "simulate",
-    "summarize_result",
-]
+# -- experiments: scenarios x policies x runs --------------------------------------------
+
+DEFAULT_POLICIES = ("fcfs", "round_robin", "priority", "dynamic_batch", "serverlessllm", "twp")
+PAPER_RATE_RPS = 18.0
+
+
+@dataclass
+class Experiment:
+    """What to run: a named scenario (or trace records), a mode, policies, runs."""
+
+    scenario: str
+    mode: Mode = "colocated"
+    policies: Sequence[str] = DEFAULT_POLICIES
+    runs: int | None = None
+    seed: int = 0
+    load: float | None = None
+    quick: bool = False
+    trace: Sequence[Any] | None = None
+    trace_name: str = "trace"
+    max_requests: int | None = None
+
+
+def _spread(values: Sequence[float]) -> dict[str, float | None]:
+    a = np.asarray([v for v in values if v is not None], dtype=np.float64)
+    if a.size == 0:
+        return {"mean": None, "std": None, "min": None, "max": None}
+    return {
+        "mean": float(a.mean()),
+        "std": float(a.std()),
+        "min": float(a.min()),
+        "max": float(a.max()),
+    }
+
+
+def run_experiment(
+    profile: EngineProfile,
+    exp: Experiment,
+    config: DecodeSimConfig | None = None,
+    twp: TWPConfig | None = None,
+    show_progress: bool = True,
+) -> tuple[dict[str, Any], dict[str, PolicyResult]]:
+    """Run every policy on the same workloads; returns the JSON dict and run 0's raw results.
+
+    Rates: ``paper`` at 18 req/s (``--load`` scales it); ``low``/``medium``/``high``/
+    ``burst`` at their load (or ``load``) x FCFS's saturated rate on this pool and mix;
+    a trace at its own rate, or ``load`` x FCFS's saturated rate on the trace's mix.
+    Runs: 10 for the synthetic scenarios, 1 otherwise, 2 at most with ``quick`` (which also
+    shortens the arrival window from 60 s to 20 s).
+    """
+    from tqdm import tqdm
+
+    from bench import decode_workloads as wl
+
+    cfg = (config or DecodeSimConfig()).model_copy(update={"mode": exp.mode})
+    duration = 20.0 if exp.quick else 60.0
+    synthetic = exp.scenario in wl.SYNTHETIC_LOAD
+    runs = exp.runs or (10 if synthetic else 1)
+    if exp.quick:
+        runs = min(runs, 2)
+    sat: float | None = None
+    rate: float | None = None
+
+    if exp.trace is not None:
+        recs = list(exp.trace)[: exp.max_requests] if exp.max_requests else list(exp.trace)
+        if exp.load is not None:
+
+            def flood(r: float, d: float) -> list[DecodeRequest]:
+                n = int(r * d)
+                reqs = wl.from_trace(recs[:n], None, 0, exp.trace_name)
+                return [
+                    DecodeRequest(
+                        x.request_id,
+                        x.tenant,
+                        i / max(1, n),
+                        x.prompt_tokens,
+                        x.output_tokens,
+                        x.max_tokens,
+                    )
+                    for i, x in enumerate(reqs)
+                ]
+
+            sat = fcfs_saturated_rate(profile, cfg, flood, n_requests=min(600, len(recs)))
+            rate = exp.load * sat
+
+        def make(seed: int) -> list[DecodeRequest]:
+            return wl.from_trace(recs, rate, seed, exp.trace_name)
+    elif exp.scenario == "paper":
+        rate = PAPER_RATE_RPS * (exp.load if exp.load is not None else 1.0)
+
+        def make(seed: int) -> list[DecodeRequest]:
+            return wl.paper(seed, rate=rate or PAPER_RATE_RPS, duration_s=duration)
+    elif synthetic:
+        sat = fcfs_saturated_rate(
+            profile, cfg, lambda r, d: wl.synthetic("low", r / wl.SYNTHETIC_LOAD["low"], 0, d)
+        )
+        factor = exp.load if exp.load is not None else wl.SYNTHETIC_LOAD[exp.scenario]
+        rate = factor * sat
+        ref = rate / wl.SYNTHETIC_LOAD[exp.scenario]
+
+        def make(seed: int) -> list[DecodeRequest]:
+            return wl.synthetic(exp.scenario, ref, seed, duration)
+    else:
+        raise ValueError(
+            f"unknown scenario {exp.scenario!r}; known: {list(wl.SCENARIOS)} or a trace"
+        )
+
+    workloads = [make(exp.seed + k) for k in range(runs)]
+    raw: dict[str, list[PolicyResult]] = {p: [] for p in exp.policies}
+    bar = tqdm(
+        total=runs * len(exp.policies),
+        desc=f"sim decode {exp.scenario}/{exp.mode} (simulated)",
+        disable=not show_progress,
+        leave=False,
+    )
+    for reqs in workloads:
+        for p in exp.policies:
+            raw[p].append(simulate(profile, p, reqs, cfg, twp))
+            bar.update(1)
+    bar.close()
+
+    out: dict[str, Any] = {
+        "simulated": True,
+        "scenario": exp.scenario if exp.trace is None else exp.trace_name,
+        "mode": exp.mode,
+        "profile": profile.model,
+        "hardware": profile.hardware,
+        "runs": runs,
+        "seed": exp.seed,
+        "load": exp.load,
+        "rate_rps": rate,
+        "fcfs_saturated_rps": sat,
+        "n_requests": [len(w) for w in workloads],
+        "pool": cfg.pool.model_dump(),
+        "policies": {},
+    }
+    for p, results in raw.items():
+        pooled = PolicyResult(
+            ttft=[x for r in results for x in r.ttft],
+            e2e=[x for r in results for x in r.e2e],
+            itl=[x for r in results for x in r.itl],
+            itl_t=[],
+            generated_tokens=sum(r.generated_tokens for r in results),
+            completed=sum(r.completed for r in results),
+            unfinished=sum(r.unfinished for r in results),
+            wall_s=sum(r.wall_s for r in results),
+            cold_starts=sum(r.cold_starts for r in results),
+            preemptions=sum(r.preemptions for r in results),
+            held_at_router=sum(r.held_at_router for r in results),
+            counters={
+                k: sum(r.counters.get(k, 0) for r in results)
+                for k in (results[0].counters if results else {})
+            },
+        )
+        block = summarize_result(pooled)
+        block["cold_starts"] = pooled.cold_starts / runs
+        block["preemptions"] = pooled.preemptions / runs
+        per_run = [summarize_result(r) for r in results]
+        block["spread"] = {
+            "ttft_p99": _spread([s["ttft"]["p99"] for s in per_run]),
+            "itl_cv": _spread([s["itl"]["cv"] for s in per_run]),
+            "itl_p99": _spread([s["itl"]["p99"] for s in per_run]),
+            "throughput_tps": _spread([s["throughput_tps"] for s in per_run]),
+        }
+        out["policies"][p] = block
+    return out, {p: r[0] for p, r in raw.items()}
+
+
+def table_rows(result: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
+    """Headers and rows of the printed table (ms for latencies; mean of runs with spread)."""
+    headers = [
+        "policy (simulated)",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+        "p99 sd",
+        "ITL mean ms",
+        "ITL p99 ms",
+        "ITL CV",
+        "CV sd",
+        "req/s",
+        "tok/s",
+        "cold",
+        "preempt",
+    ]
+    rows = []
+
+    def ms(v: float | None) -> float | str:
+        return "-" if v is None else round(v * 1e3, 1)
+
+    for p, b in result["policies"].items():
+        sp = b["spread"]
+        rows.append(
+            [
+                p,
+                ms(b["ttft"]["p50"]),
+                ms(b["ttft"]["p99"]),
+                ms(sp["ttft_p99"]["std"]),
+                ms(b["itl"]["mean"]),
+                ms(b["itl"]["p99"]),
+                "-" if b["itl"]["cv"] is None else round(b["itl"]["cv"], 4),
+                "-" if sp["itl_cv"]["std"] is None else round(sp["itl_cv"]["std"], 4),
+                round(b["throughput_rps"], 3),
+                round(b["throughput_tps"], 1),
+                b["cold_starts"],
+                b["preemptions"],
+            ]
+        )
+    return headers, rows
+
+
+def plot(result: dict[str, Any], raw: dict[str, PolicyResult], path: str) -> None:
+    """ITL over time (1 s bins, run 0) and TTFT CDFs (run 0), PNG, Agg backend."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for name, r in raw.items():
+        if r.itl:
+            t = np.asarray(r.itl_t)
+            v = np.asarray(r.itl) * 1e3
+            bins = np.floor(t).astype(int)
+            uniq = np.unique(bins)
+            means = [v[bins == b].mean() for b in uniq]
+            ax1.plot(uniq, means, label=name, lw=1)
+        if r.ttft:
+            x = np.sort(np.asarray(r.ttft))
+            ax2.plot(x, np.arange(1, x.size + 1) / x.size, label=name, lw=1)
+    ax1.set_xlabel("time (s)")
+    ax1.set_ylabel("mean step ITL in 1 s bins (ms)")
+    ax1.set_yscale("log")
+    ax2.set_xlabel("TTFT (s)")
+    ax2.set_xscale("log")
+    ax2.set_ylabel("CDF")
+    ax1.legend(fontsize=7)
+    fig.suptitle(f"SIMULATED decode: {result['scenario']} / {result['mode']} (run 0)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -170,6 +170,6 @@ class DecodeAdmissionPolicy(Protocol):
 
     def admit(self, view: DecodeView) -> list[AdmissionDecision]: ...
 
-    def expected_output(self, tenant: str, max_tokens: int) -> int:
-        """``L_hat`` for a new request of ``tenant`` (tokens)."""
+    def expected_output(self, tenant: str, max_tokens: int, generated: int = 0) -> int:
+        """``L_hat`` of a request of ``tenant`` that has ``generated`` tokens so far."""
         ...

@@ -45,7 +45,7 @@ class FCFSAdmission:
             for i in self._order(view)
         ]
 
-    def expected_output(self, tenant: str, max_tokens: int) -> int:
+    def expected_output(self, tenant: str, max_tokens: int, generated: int = 0) -> int:
         return max(1, min(max_tokens, self.L_bar))
 
 

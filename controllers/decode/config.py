@@ -89,6 +89,11 @@ class TWPConfig(BaseModel):
         ge=1,
         description="Output lengths kept per tenant for the running median behind L_hat.",
     )
+    survival_l_hat: bool = Field(
+        default=False,
+        description="For running requests past the median, estimate L_hat as the median of "
+        "the tenant's lengths above the tokens generated (not in the paper; off by default).",
+    )
     empty_batch_admit: bool = Field(
         default=True,
         description="Admit the top candidate past the window when the active set is empty "

@@ -17,7 +17,10 @@ called once per arrival (and per retry of a held request).
   Live migration is not modelled.
 - :class:`HeadroomDispatch` (TWP): among the live containers whose published TWP
   headroom ``H_t - K_t`` fits the request's ``L_hat`` and prompt blocks, the one with the
-  fewest outstanding requests (ties: most headroom); else a cold container; else
+  fewest outstanding requests (ties: most headroom), unless even that one holds
+  ``scale_out_load`` or more and a cold container exists (then the cold one: the same
+  provisioning rule as :class:`LeastLoadedDispatch`, since the paper's token window "does
+  not interact with container provisioning"); else a cold container; else
   ``hold`` at the router (pd: before the prefill starts) or, colocated, the live
   container with the most headroom. Headroom filters, the outstanding count balances:
   ranking by headroom alone was tried and balanced worse, because ``K_t`` counts a request
@@ -112,8 +115,11 @@ class RoundRobinDispatch:
 class HeadroomDispatch:
     name = "headroom"
 
-    def __init__(self, hold_when_full: bool, kv_guard_blocks: int = 0) -> None:
+    def __init__(
+        self, hold_when_full: bool, kv_guard_blocks: int = 0, scale_out_load: int = 8
+    ) -> None:
         self.hold_when_full = hold_when_full
+        self.scale_out_load = scale_out_load
         self.kv_guard_blocks = kv_guard_blocks
         self.held = 0
 
@@ -131,7 +137,9 @@ class HeadroomDispatch:
             if room(c) >= need and c.free_blocks >= req.prompt_blocks + self.kv_guard_blocks
         ]
         if fits:
-            return min(fits, key=lambda c: (c.outstanding, -room(c), c.index)).index
+            best = min(fits, key=lambda c: (c.outstanding, -room(c), c.index))
+            if best.outstanding < self.scale_out_load or not cold:
+                return best.index
         if cold:
             return cold[0].index
         if self.hold_when_full or not live:

@@ -45,12 +45,16 @@ class DecodePolicySpec:
 
 
 def _twp(
-    weights: tuple[float, float, float] | None, fast_loading: bool = False
+    weights: tuple[float, float, float] | None,
+    fast_loading: bool = False,
+    update: dict[str, object] | None = None,
 ) -> Callable[..., DecodePolicySpec]:
     def build(
         name: str, profile: EngineProfile, mode: Mode, L_bar: int, twp: TWPConfig | None
     ) -> DecodePolicySpec:
-        cfg = (twp or TWPConfig()).model_copy(update={"L_bar": L_bar})
+        cfg = TWPConfig.model_validate(
+            {**(twp or TWPConfig()).model_dump(), "L_bar": L_bar, **(update or {})}
+        )
         if weights is not None:
             cfg = TWPConfig.model_validate(
                 {
@@ -63,7 +67,7 @@ def _twp(
             )
         return DecodePolicySpec(
             name,
-            HeadroomDispatch(hold_when_full=mode == "pd"),
+            HeadroomDispatch(hold_when_full=mode == "pd", scale_out_load=profile.decode.b0),
             lambda: TWP(profile, cfg, name),
             fast_loading=fast_loading,
         )
@@ -91,6 +95,8 @@ _BUILDERS: dict[str, Callable[..., DecodePolicySpec]] = {
     # TWP's gate on ServerlessLLM's fast checkpoint loading: separates the gate's effect
     # from the pool's (TWP itself "does not interact with container provisioning").
     "twp_fastload": _twp(None, fast_loading=True),
+    # Survival-conditioned L_hat for running requests (not in the paper).
+    "twp_survival": _twp(None, update={"survival_l_hat": True}),
     # Ranking ablations: one term off at a time, and equal weights.
     "twp_no_starvation": _twp((0.0, 0.3, 0.2)),
     "twp_no_balance": _twp((0.5, 0.0, 0.2)),

@@ -54,10 +54,14 @@ Choices where the paper is silent or inconsistent (issue #5 defaults unless note
 - ``r_bar_t`` is the mean ``r_i`` of the active batch; with an empty batch ``T(r) = 1``.
 - Ties in the ranking go to the longer wait, then to the earlier position in the view.
 - Before a tenant has finished requests, ``L_hat = min(max_tokens, L_bar)``.
+- ``survival_l_hat`` (off by default, an addition to the paper): see :func:`l_hat`.
+  The mechanism re-reads ``l_hat(state, tenant, max_tokens, generated)`` for running
+  requests every step when it is on.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 import statistics
 from collections.abc import Mapping
@@ -117,7 +121,8 @@ class TWPState:
     ``sigma``: ``l_hat_t / l_min``. ``kv_rate``: EWMA of blocks consumed per step.
     ``delta_kv``: KV guard as a fraction of total blocks. ``last_free_blocks``: free
     blocks at the last observation (None before the first). ``tenant_history`` /
-    ``tenant_median``: recent output lengths per tenant and their running median.
+    ``tenant_median``: recent output lengths per tenant and their running median;
+    ``tenant_sorted``: the same lengths sorted (for ``survival_l_hat``).
     """
 
     params: TWPParams
@@ -130,6 +135,7 @@ class TWPState:
     step: int = 0
     tenant_history: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     tenant_median: Mapping[str, float] = field(default_factory=dict)
+    tenant_sorted: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
     counters: TWPCounters = TWPCounters()
 
 
@@ -140,10 +146,27 @@ def init_state(config: TWPConfig, profile: EngineProfile) -> TWPState:
     return TWPState(params=p, H=p.H0, itl_hat_s=p.l_min_s, delta_kv=delta)
 
 
-def l_hat(state: TWPState, tenant: str, max_tokens: int) -> int:
-    """``L_hat = min(max_tokens, running median of the tenant's output lengths)`` (tokens, >= 1)."""
+def l_hat(state: TWPState, tenant: str, max_tokens: int, generated: int = 0) -> int:
+    """``L_hat = min(max_tokens, running median of the tenant's output lengths)`` (tokens, >= 1).
+
+    With ``survival_l_hat`` (off by default) and ``generated > 0``, the estimate for a
+    running request is the median of the tenant's lengths *greater than* ``generated``
+    (the median length of requests that survived this far); when none survived that far,
+    ``2 * generated``. Without it, a request that outlives the median counts as
+    ``r_i = 1`` however long it still runs.
+    """
+    cfg = state.params.config
     med = state.tenant_median.get(tenant)
-    est = state.params.config.L_bar if med is None else med
+    est: float = cfg.L_bar if med is None else med
+    if cfg.survival_l_hat and generated > 0 and generated >= est:
+        srt = state.tenant_sorted.get(tenant, ())
+        i = bisect.bisect_right(srt, generated)
+        n = len(srt) - i
+        if n > 0:
+            mid = i + n // 2
+            est = float(srt[mid]) if n % 2 else (srt[mid - 1] + srt[mid]) / 2.0
+        else:
+            est = 2.0 * generated
     return max(1, min(int(max_tokens), int(round(est))))
 
 
@@ -180,10 +203,14 @@ def observe(state: TWPState, obs: DecodeObservation) -> TWPState:
                 -cfg.median_window :
             ]
         touched = {f.tenant for f in obs.finished}
-        med = dict(median)
+        med, srt = dict(median), dict(state.tenant_sorted)
         for t in touched:
             med[t] = float(statistics.median(hist[t]))
+            srt[t] = tuple(sorted(hist[t]))
         history, median = hist, med
+        sorted_: Mapping[str, tuple[int, ...]] = srt
+    else:
+        sorted_ = state.tenant_sorted
 
     return replace(
         state,
@@ -196,6 +223,7 @@ def observe(state: TWPState, obs: DecodeObservation) -> TWPState:
         step=obs.step_index,
         tenant_history=history,
         tenant_median=median,
+        tenant_sorted=sorted_,
     )
 
 
@@ -322,8 +350,8 @@ class TWP:
         self.state, decisions = admit(self.state, view)
         return decisions
 
-    def expected_output(self, tenant: str, max_tokens: int) -> int:
-        return l_hat(self.state, tenant, max_tokens)
+    def expected_output(self, tenant: str, max_tokens: int, generated: int = 0) -> int:
+        return l_hat(self.state, tenant, max_tokens, generated)
 
     @property
     def window_tokens(self) -> float:

@@ -1,0 +1,112 @@
+"""``pdserve sim decode``: TWP and its baselines in the decode simulator (simulated)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import typer
+
+from pdserve.apps import sim_app
+from pdserve.output import csv_list, table, write_json
+
+
+@sim_app.command("decode")
+def decode(
+    scenario: str | None = typer.Option(
+        None, help="paper | low | medium | high | burst (or use --trace)."
+    ),
+    trace: Path | None = typer.Option(None, help="Replay a trace file instead of a scenario."),
+    trace_format: str = typer.Option("azure", help="azure | mooncake (with --trace)."),
+    mode: str = typer.Option("colocated", help="colocated | pd."),
+    policies: str = typer.Option(
+        "fcfs,round_robin,priority,dynamic_batch,serverlessllm,twp",
+        help="Decode policies, comma-separated.",
+    ),
+    runs: int | None = typer.Option(
+        None, min=1, help="Runs per policy (default 10 for low/medium/high/burst, else 1)."
+    ),
+    seed: int = typer.Option(0, help="Seed of the first run (run k uses seed + k)."),
+    load: float | None = typer.Option(
+        None,
+        min=0.01,
+        help="Load: fraction of FCFS's saturated rate (scenarios, trace); paper: x 18 req/s.",
+    ),
+    max_requests: int | None = typer.Option(
+        2000, min=1, help="With --trace: replay only the first N records."
+    ),
+    profile: str = typer.Option("v100_llama32_3b", help="Engine profile (shipped name or JSON)."),
+    l_bar: int = typer.Option(50, min=1, help="TWP's expected mean output L_bar (paper: 50)."),
+    quick: bool = typer.Option(False, help="20 s of arrivals and at most 2 runs."),
+    json_out: Path | None = typer.Option(None, "--json", help="Write results as JSON here."),
+    plot_out: Path | None = typer.Option(None, "--plot", help="Write a PNG plot here."),
+) -> None:
+    """Simulate decode admission over a serverless pool; every output is simulated."""
+    from bench.decode_sim import DecodeSimConfig, Experiment, plot, run_experiment, table_rows
+    from bench.profiles import load_profile
+    from bench.traces import load_azure, load_mooncake
+    from controllers.decode import decode_policy_names
+
+    if (scenario is None) == (trace is None):
+        raise typer.BadParameter(
+            "give exactly one of --scenario or --trace", param_hint="--scenario"
+        )
+    if mode not in ("colocated", "pd"):
+        raise typer.BadParameter(f"expected colocated or pd, got {mode!r}", param_hint="--mode")
+    names = csv_list(policies)
+    unknown = [p for p in names if p not in decode_policy_names()]
+    if unknown:
+        raise typer.BadParameter(
+            f"unknown policies {unknown}; known: {decode_policy_names()}", param_hint="--policies"
+        )
+    try:
+        prof = load_profile(profile)
+    except FileNotFoundError as e:
+        raise typer.BadParameter(str(e), param_hint="--profile") from None
+    records = None
+    trace_name = "trace"
+    if trace is not None:
+        if trace_format not in ("azure", "mooncake"):
+            raise typer.BadParameter(
+                f"expected azure or mooncake, got {trace_format!r}", param_hint="--trace-format"
+            )
+        if not trace.exists():
+            raise typer.BadParameter(f"no such file: {trace}", param_hint="--trace")
+        loader = load_azure if trace_format == "azure" else load_mooncake
+        records = loader(trace, limit=max_requests)
+        trace_name = f"{trace_format}:{trace.name}"
+    elif scenario not in ("paper", "low", "medium", "high", "burst"):
+        raise typer.BadParameter(
+            f"unknown scenario {scenario!r}; known: paper, low, medium, high, burst",
+            param_hint="--scenario",
+        )
+    m: Literal["colocated", "pd"] = "pd" if mode == "pd" else "colocated"
+    exp = Experiment(
+        scenario=scenario or "trace",
+        mode=m,
+        policies=names,
+        runs=runs,
+        seed=seed,
+        load=load,
+        quick=quick,
+        trace=records,
+        trace_name=trace_name,
+        max_requests=max_requests,
+    )
+    result, raw = run_experiment(prof, exp, DecodeSimConfig(mode=m, L_bar=l_bar))
+    rate = result["rate_rps"]
+    sat = result["fcfs_saturated_rps"]
+    typer.echo(
+        f"SIMULATED decode: {result['scenario']} / {m}, {result['runs']} run(s), "
+        f"{sum(result['n_requests'])} requests, rate "
+        f"{'native' if rate is None else f'{rate:.2f} req/s'}"
+        + ("" if sat is None else f" (FCFS saturated: {sat:.2f} req/s)")
+        + f", profile {prof.model} on {prof.hardware}"
+    )
+    headers, rows = table_rows(result)
+    typer.echo(table(headers, rows))
+    write_json(json_out, result)
+    if plot_out is not None:
+        plot_out.parent.mkdir(parents=True, exist_ok=True)
+        plot(result, raw, str(plot_out))
+        typer.echo(f"wrote {plot_out}")
