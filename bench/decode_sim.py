@@ -450,7 +450,7 @@ class DecodeSimulator:
             r.chunk = c
             budget -= c
             prefill_tokens += c
-        injected = sum(r.blocks for r in decoders if r.inject)
+        injected = sum(self._need_blocks(r) for r in decoders if r.inject)
         for r in decoders:
             r.inject = False
         latency = self.profile.decode.step_latency_s(len(decoders))

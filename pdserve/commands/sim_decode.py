@@ -37,6 +37,9 @@ def decode(
     ),
     profile: str = typer.Option("v100_llama32_3b", help="Engine profile (shipped name or JSON)."),
     l_bar: int = typer.Option(50, min=1, help="TWP's expected mean output L_bar (paper: 50)."),
+    warm: int = typer.Option(
+        1, min=0, help="Containers warm at t = 0 (of 4); 4 isolates admission from cold starts."
+    ),
     quick: bool = typer.Option(False, help="20 s of arrivals and at most 2 runs."),
     json_out: Path | None = typer.Option(None, "--json", help="Write results as JSON here."),
     plot_out: Path | None = typer.Option(None, "--plot", help="Write a PNG plot here."),
@@ -44,6 +47,7 @@ def decode(
     """Simulate decode admission over a serverless pool; every output is simulated."""
     from bench.decode_sim import DecodeSimConfig, Experiment, plot, run_experiment, table_rows
     from bench.profiles import load_profile
+    from bench.serverless_pool import PoolConfig
     from bench.traces import load_azure, load_mooncake
     from controllers.decode import decode_policy_names
 
@@ -93,7 +97,9 @@ def decode(
         trace_name=trace_name,
         max_requests=max_requests,
     )
-    result, raw = run_experiment(prof, exp, DecodeSimConfig(mode=m, L_bar=l_bar))
+    result, raw = run_experiment(
+        prof, exp, DecodeSimConfig(mode=m, L_bar=l_bar, pool=PoolConfig(warm_at_start=warm))
+    )
     rate = result["rate_rps"]
     sat = result["fcfs_saturated_rps"]
     typer.echo(
