@@ -139,6 +139,19 @@ class KVEventFeed:
         ]
         return rf
 
+    async def add_offline_replica(
+        self, replica: str, tracker: ReplicaTracker | None = None
+    ) -> ReplicaFeed:
+        """A replica without sockets, fed only through :meth:`ingest` (benchmarks, replays).
+        It is registered at once, as if its publisher had just connected."""
+        if replica in self.replicas:
+            raise ValueError(f"replica: {replica!r} is already fed")
+        rf = ReplicaFeed(replica, "", None, tracker or ReplicaTracker())
+        self.replicas[replica] = rf
+        async with rf.lock:
+            await self._on_connect(rf)
+        return rf
+
     async def remove_replica(self, replica: str) -> None:
         """Stop feeding the replica and drop it from the index."""
         rf = self.replicas.pop(replica)
@@ -163,6 +176,8 @@ class KVEventFeed:
 
     # -- tasks --------------------------------------------------------------------------------
     async def _stop(self, rf: ReplicaFeed) -> None:
+        if rf.sub is None:
+            return
         for t in rf.tasks:
             t.cancel()
         for t in rf.tasks:
@@ -201,13 +216,9 @@ class KVEventFeed:
         rf.stats.disconnects += 1
         rf.connected = False
         rf.epoch = None
-        held = rf.tracker.held()
         rf.tracker.clear()
         rf.tracker.expect(None)
         await self._guarded(rf, self.index.drop_replica(rf.replica))
-        # The entries are invisible already; delete them so memory does not grow.
-        for i in range(0, len(held), self.write_batch):
-            await self._guarded(rf, self.index.purge(rf.replica, held[i : i + self.write_batch]))
 
     async def _beat(self, rf: ReplicaFeed) -> None:
         while True:
@@ -232,17 +243,25 @@ class KVEventFeed:
                     frames.append(await rf.sub.recv_multipart(flags=zmq.NOBLOCK))
                 except zmq.Again:
                     break
-            async with rf.lock:
-                if not rf.connected:  # only data between connect and disconnect counts
-                    rf.stats.discarded += len(frames)
-                    continue
-                delta = Delta()
-                for frame in frames:
-                    d = await self._apply_frame(rf, frame)
-                    if d is not None:
-                        delta.merge(d)
-                await self._write(rf, delta)
-            await self._notify()
+            await self.ingest(rf, frames)
+
+    async def ingest(self, rf: ReplicaFeed, frames: list[list[bytes]]) -> Delta:
+        """Apply frames ``(topic, seq, payload)`` in order, then write their net effect.
+
+        What the receive loop does with each drained burst; public for replays of recorded
+        events and for ``pdserve bench index``."""
+        delta = Delta()
+        async with rf.lock:
+            if not rf.connected:  # only data between connect and disconnect counts
+                rf.stats.discarded += len(frames)
+                return delta
+            for frame in frames:
+                d = await self._apply_frame(rf, frame)
+                if d is not None:
+                    delta.merge(d)
+            await self._write(rf, delta)
+        await self._notify()
+        return delta
 
     async def _apply_frame(self, rf: ReplicaFeed, frame: list[bytes]) -> Delta | None:
         if len(frame) != 3:

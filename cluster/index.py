@@ -2,16 +2,16 @@
 
 Block hashes are the unsigned 64-bit ints of :mod:`cluster.hashing` (the form vLLM's KV events
 carry). Each replica has an *epoch*: :meth:`PrefixIndex.register` starts a new one (a restarted
-replica, or one whose event stream had a gap, starts clean) and every entry is stored as
-``replica -> epoch``; lookups count an entry only when its epoch is the replica's live epoch.
-So :meth:`PrefixIndex.drop_replica` is O(1): it forgets the live epoch, and the replica's
-entries become invisible at once (the feed may :meth:`~PrefixIndex.purge` them later, off the
-hot path).
+replica, or one whose event stream had a gap, starts clean). Entries live in one set per
+``replica:epoch``; lookups read only the sets of live epochs. So
+:meth:`PrefixIndex.drop_replica` is O(1) for the caller: it forgets the live epoch, the
+replica's entries become invisible at once, and the old set is freed (by Redis in the
+background, ``UNLINK``).
 
 Contract, shared by every backend (``tests/contract/test_prefix_index_contract.py``):
 
 - ``register(replica) -> epoch``: marks the replica live under a new epoch, greater than any
-  epoch it had before in this index; entries of older epochs stop counting.
+  epoch it had before in this index; entries of older epochs are gone.
 - ``record(replica, hashes) -> bool`` / ``evict(replica, hashes) -> bool``: add/remove the
   replica's entries for these blocks under its live epoch; ``False`` (and no change) when the
   replica is not live, e.g. after ``drop_replica`` or when a Redis restart lost the state: the
@@ -23,8 +23,7 @@ Contract, shared by every backend (``tests/contract/test_prefix_index_contract.p
 - ``heartbeat(replica)``: liveness. With ``liveness_ttl_s`` set, a replica whose last
   heartbeat (or ``register``) is older than that is ignored by ``match`` and by
   ``live_replicas`` until the next heartbeat; entries are kept.
-- ``live_replicas() -> {replica: epoch}``; ``purge(replica, hashes)`` deletes the replica's
-  entries on ``hashes`` whose epoch is not live (garbage of old epochs); ``close()``.
+- ``live_replicas() -> {replica: epoch}``; ``close()``.
 
 The routing policy and the ingress call ``match`` on the hot path and must bound it with a
 time-out (``asyncio.wait_for``) and fall back to load-only routing when it expires.
@@ -65,7 +64,7 @@ class IndexConfig(BaseModel):
         description="Ignore replicas without a heartbeat for this long (None: no expiry).",
     )
     write_batch: int = Field(
-        default=1024, ge=64, le=65536, description="Block events per write round trip (max)."
+        default=1024, ge=64, le=4096, description="Block events per write round trip (max)."
     )
     socket_timeout_s: float = Field(
         default=1.0, gt=0, description="Redis socket time-out (a backstop; callers time out)."
@@ -102,18 +101,19 @@ class PrefixIndex(Protocol):
 
     async def live_replicas(self) -> dict[str, int]: ...
 
-    async def purge(self, replica: str, hashes: Sequence[int]) -> None: ...
-
     async def close(self) -> None: ...
 
 
 class MemoryPrefixIndex:
-    """In-process backend: dicts guarded by nothing (one event loop owns it)."""
+    """In-process backend, same layout as Redis: one set of block hashes per (replica, epoch).
+
+    Not thread-safe: one event loop owns it.
+    """
 
     def __init__(self, config: IndexConfig | None = None, clock: Clock = time.time) -> None:
         self.config = config or IndexConfig()
         self._clock = clock
-        self._blocks: dict[int, dict[str, int]] = {}
+        self._sets: dict[tuple[str, int], set[int]] = {}
         self._live: dict[str, int] = {}
         self._epochs: dict[str, int] = {}
         self._seen: dict[str, float] = {}
@@ -126,9 +126,13 @@ class MemoryPrefixIndex:
         return {r: e for r, e in self._live.items() if self._seen.get(r, -1.0) >= floor}
 
     async def register(self, replica: str) -> int:
+        old = self._live.get(replica)
+        if old is not None:
+            self._sets.pop((replica, old), None)
         epoch = self._epochs.get(replica, 0) + 1
         self._epochs[replica] = epoch
         self._live[replica] = epoch
+        self._sets[(replica, epoch)] = set()
         self._seen[replica] = self._clock()
         return epoch
 
@@ -136,41 +140,36 @@ class MemoryPrefixIndex:
         epoch = self._live.get(replica)
         if epoch is None:
             return False
-        for h in hashes:
-            self._blocks.setdefault(h, {})[replica] = epoch
+        self._sets[(replica, epoch)].update(hashes)
         return True
 
     async def evict(self, replica: str, hashes: Sequence[int]) -> bool:
-        if replica not in self._live:
+        epoch = self._live.get(replica)
+        if epoch is None:
             return False
-        for h in hashes:
-            holders = self._blocks.get(h)
-            if holders is not None:
-                holders.pop(replica, None)
-                if not holders:
-                    del self._blocks[h]
+        self._sets[(replica, epoch)].difference_update(hashes)
         return True
 
     async def match(self, hashes: Sequence[int]) -> dict[str, int]:
-        alive = self._alive()
         out: dict[str, int] = {}
-        cand: dict[str, int] | None = None
-        for depth, h in enumerate(hashes):
-            holders = self._blocks.get(h, {})
-            pool = alive if cand is None else cand
-            nxt = {r: e for r, e in holders.items() if pool.get(r) == e}
-            if cand is not None:
-                out.update((r, depth) for r in cand if r not in nxt)
-            cand = nxt
-            if not cand:
-                return out
-        if cand:
-            out.update((r, len(hashes)) for r in cand)
+        if not hashes:
+            return out
+        for r, e in self._alive().items():
+            held = self._sets[(r, e)]
+            n = 0
+            for h in hashes:
+                if h not in held:
+                    break
+                n += 1
+            if n:
+                out[r] = n
         return out
 
     async def drop_replica(self, replica: str) -> None:
-        self._live.pop(replica, None)
+        epoch = self._live.pop(replica, None)
         self._seen.pop(replica, None)
+        if epoch is not None:
+            self._sets.pop((replica, epoch), None)
 
     async def heartbeat(self, replica: str) -> bool:
         if replica not in self._live:
@@ -181,21 +180,12 @@ class MemoryPrefixIndex:
     async def live_replicas(self) -> dict[str, int]:
         return dict(self._alive())
 
-    async def purge(self, replica: str, hashes: Sequence[int]) -> None:
-        live = self._live.get(replica)
-        for h in hashes:
-            holders = self._blocks.get(h)
-            if holders is not None and replica in holders and holders[replica] != live:
-                del holders[replica]
-                if not holders:
-                    del self._blocks[h]
-
     async def close(self) -> None:
         return None
 
     def entry_count(self) -> int:
-        """Stored (block, replica) entries, stale ones included (for tests and benchmarks)."""
-        return sum(len(v) for v in self._blocks.values())
+        """Stored (block, replica) entries (for tests and benchmarks)."""
+        return sum(len(v) for v in self._sets.values())
 
 
 def make_index(config: IndexConfig, clock: Clock = time.time) -> PrefixIndex:

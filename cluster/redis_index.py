@@ -1,27 +1,33 @@
 """Redis backend of the prefix index (redis-py's asyncio client, server-side Lua scripts).
 
-Key layout, all under the namespace ``N = pdx:{<app>:<deployment>}:`` (the braces are a Redis
-Cluster hash tag, so every key of one namespace is in one slot and the scripts may touch them
-together; two apps, or the prefill and decode pools, never share a key):
+Key layout, all under the namespace ``N = pdx:{<app>:<deployment>}:`` (two apps, or the prefill
+and decode pools, never share a key; the braces are a Redis Cluster hash tag, so all keys of
+one namespace sit in one slot):
 
-=====================  ======  =============================================================
-key                    type    content
-=====================  ======  =============================================================
-``N live``             HASH    replica -> live epoch (absent: dropped, or never registered)
-``N epochs``           HASH    replica -> last epoch handed out (kept after a drop, so a
-                               restarted replica gets a larger epoch and starts clean)
-``N seen``             ZSET    replica -> time of its last heartbeat/register (caller's clock,
-                               seconds); read only when ``liveness_ttl_s`` is set
-``N b:<hash>``         HASH    replica -> epoch of its entry for block ``<hash>`` (16 lowercase
-                               hex digits of the unsigned 64-bit hash)
-=====================  ======  =============================================================
+=========================  ======  ==========================================================
+key                        type    content
+=========================  ======  ==========================================================
+``N live``                 HASH    replica -> live epoch (absent: dropped or never registered)
+``N epochs``               HASH    replica -> last epoch handed out (kept after a drop, so a
+                                   restarted replica gets a larger epoch and starts clean)
+``N seen``                 ZSET    replica -> time of its last heartbeat/register (caller's
+                                   clock, seconds); read only when ``liveness_ttl_s`` is set
+``N r:<replica>:<epoch>``  SET     the block hashes the replica holds in that epoch, each as
+                                   8 bytes (the unsigned 64-bit hash, big-endian)
+=========================  ======  ==========================================================
 
-Every operation is one script call, so one round trip: ``match`` reads ``live`` (and ``seen``)
-then the block hashes in prompt order and returns as soon as no live replica holds the next
-block; ``record``/``evict`` write up to ``write_batch`` blocks per call and check the live
-epoch inside the same script, so a dropped replica is never resurrected by a late write. After
-a Redis restart ``live`` is empty, every write answers ``False``, and the feed re-registers and
-re-records from its in-memory block sets.
+Every operation is one script call, so one round trip. ``match`` reads ``live`` (and ``seen``),
+then for each live replica asks ``SMISMEMBER`` of its set for the prompt's hashes and counts the
+leading hits up to the first miss (at most ``replicas x blocks`` set probes, all server-side).
+``record``/``evict`` are one ``SADD``/``SREM`` of up to ``write_batch`` hashes and check the live
+epoch in the same script, so a dropped replica is never resurrected by a late write.
+``register`` and ``drop_replica`` ``UNLINK`` the old epoch's set (freed in Redis's background
+thread), so both are O(1) for the caller. After a Redis restart ``live`` is empty, every write
+answers ``False``, and the feed re-registers and re-records from its in-memory block sets.
+
+The per-replica set keys are derived inside the scripts from ``live``; that is fine on a
+standalone Redis (the target here) and within one slot of a cluster, but they are not declared
+as ``KEYS``, so a proxy that routes by declared keys only must route on ``N live``.
 """
 
 from __future__ import annotations
@@ -32,72 +38,58 @@ from typing import Any
 
 from cluster.index import Clock, IndexConfig
 
+# KEYS[1]=live KEYS[2]=seen; ARGV[1]=namespace ARGV[2]=liveness floor or '' ARGV[3..]=hashes
 _MATCH = """
 local live = redis.call('HGETALL', KEYS[1])
-local ttl = ARGV[1] ~= ''
-local floor = ttl and tonumber(ARGV[1]) or 0
-local cand = {}
-local n = 0
+local ttl = ARGV[2] ~= ''
+local floor = ttl and tonumber(ARGV[2]) or 0
+local out = {}
 for i = 1, #live, 2 do
+  local r = live[i]
   local ok = true
   if ttl then
-    local s = redis.call('ZSCORE', KEYS[2], live[i])
+    local s = redis.call('ZSCORE', KEYS[2], r)
     ok = s and tonumber(s) >= floor
   end
-  if ok then cand[live[i]] = live[i + 1]; n = n + 1 end
-end
-local out = {}
-if n == 0 then return out end
-for k = 3, #KEYS do
-  local fields = redis.call('HGETALL', KEYS[k])
-  local nxt = {}
-  local m = 0
-  for i = 1, #fields, 2 do
-    local r = fields[i]
-    if cand[r] ~= nil and cand[r] == fields[i + 1] then nxt[r] = fields[i + 1]; m = m + 1 end
+  if ok then
+    local hits = redis.call('SMISMEMBER', ARGV[1] .. 'r:' .. r .. ':' .. live[i + 1],
+                            unpack(ARGV, 3))
+    local n = 0
+    while n < #hits and hits[n + 1] == 1 do n = n + 1 end
+    if n > 0 then out[#out + 1] = r; out[#out + 1] = n end
   end
-  if k > 3 then
-    for r, _ in pairs(cand) do
-      if nxt[r] == nil then out[#out + 1] = r; out[#out + 1] = k - 3 end
-    end
-  end
-  cand = nxt
-  if m == 0 then return out end
 end
-for r, _ in pairs(cand) do out[#out + 1] = r; out[#out + 1] = #KEYS - 2 end
 return out
 """
 
-_RECORD = """
-local e = redis.call('HGET', KEYS[1], ARGV[1])
+# KEYS[1]=live; ARGV[1]=namespace ARGV[2]=replica ARGV[3..]=hashes
+_WRITE = """
+local e = redis.call('HGET', KEYS[1], ARGV[2])
 if not e then return -1 end
-for k = 2, #KEYS do redis.call('HSET', KEYS[k], ARGV[1], e) end
-return #KEYS - 1
+if #ARGV < 3 then return 0 end
+return redis.call('{op}', ARGV[1] .. 'r:' .. ARGV[2] .. ':' .. e, unpack(ARGV, 3))
 """
 
-_EVICT = """
-if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then return -1 end
-for k = 2, #KEYS do redis.call('HDEL', KEYS[k], ARGV[1]) end
-return #KEYS - 1
-"""
-
-_PURGE = """
-local e = redis.call('HGET', KEYS[1], ARGV[1])
-local n = 0
-for k = 2, #KEYS do
-  local v = redis.call('HGET', KEYS[k], ARGV[1])
-  if v and v ~= e then redis.call('HDEL', KEYS[k], ARGV[1]); n = n + 1 end
-end
-return n
-"""
-
+# KEYS[1]=live KEYS[2]=epochs KEYS[3]=seen; ARGV[1]=namespace ARGV[2]=replica ARGV[3]=now
 _REGISTER = """
-local e = redis.call('HINCRBY', KEYS[2], ARGV[1], 1)
-redis.call('HSET', KEYS[1], ARGV[1], e)
-redis.call('ZADD', KEYS[3], ARGV[2], ARGV[1])
+local old = redis.call('HGET', KEYS[1], ARGV[2])
+if old then redis.call('UNLINK', ARGV[1] .. 'r:' .. ARGV[2] .. ':' .. old) end
+local e = redis.call('HINCRBY', KEYS[2], ARGV[2], 1)
+redis.call('HSET', KEYS[1], ARGV[2], e)
+redis.call('ZADD', KEYS[3], ARGV[3], ARGV[2])
 return e
 """
 
+# KEYS[1]=live KEYS[2]=seen; ARGV[1]=namespace ARGV[2]=replica
+_DROP = """
+local old = redis.call('HGET', KEYS[1], ARGV[2])
+if old then redis.call('UNLINK', ARGV[1] .. 'r:' .. ARGV[2] .. ':' .. old) end
+redis.call('HDEL', KEYS[1], ARGV[2])
+redis.call('ZREM', KEYS[2], ARGV[2])
+return old and 1 or 0
+"""
+
+# KEYS[1]=live KEYS[2]=seen; ARGV[1]=replica ARGV[2]=now
 _HEARTBEAT = """
 if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then return 0 end
 redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
@@ -108,7 +100,7 @@ return 1
 class RedisPrefixIndex:
     """The prefix index in Redis; satisfies :class:`cluster.index.PrefixIndex`.
 
-    ``client`` may be passed in (an ``redis.asyncio.Redis`` with ``decode_responses=False``);
+    ``client`` may be passed in (a ``redis.asyncio.Redis`` with ``decode_responses=False``);
     otherwise one is built from ``config.redis_url``.
     """
 
@@ -125,24 +117,20 @@ class RedisPrefixIndex:
             socket_timeout=config.socket_timeout_s,
             socket_connect_timeout=config.socket_timeout_s,
         )
-        ns = config.namespace
-        self._block_prefix = ns + "b:"
-        self._live = ns + "live"
-        self._epochs = ns + "epochs"
-        self._seen = ns + "seen"
+        self._ns = config.namespace
+        self._live = self._ns + "live"
+        self._epochs = self._ns + "epochs"
+        self._seen = self._ns + "seen"
         self._match = self._r.register_script(_MATCH)
-        self._record = self._r.register_script(_RECORD)
-        self._evict = self._r.register_script(_EVICT)
-        self._purge = self._r.register_script(_PURGE)
+        self._record = self._r.register_script(_WRITE.replace("{op}", "SADD"))
+        self._evict = self._r.register_script(_WRITE.replace("{op}", "SREM"))
         self._register = self._r.register_script(_REGISTER)
+        self._drop = self._r.register_script(_DROP)
         self._heartbeat = self._r.register_script(_HEARTBEAT)
 
-    def block_key(self, block_hash: int) -> str:
-        return f"{self._block_prefix}{block_hash:016x}"
-
-    def _keys(self, hashes: Sequence[int]) -> list[str]:
-        p = self._block_prefix
-        return [f"{p}{h:016x}" for h in hashes]
+    def set_key(self, replica: str, epoch: int) -> str:
+        """The key of a replica's block set in one epoch."""
+        return f"{self._ns}r:{replica}:{epoch}"
 
     def _floor(self) -> str:
         ttl = self.config.liveness_ttl_s
@@ -150,13 +138,15 @@ class RedisPrefixIndex:
 
     async def register(self, replica: str) -> int:
         keys = [self._live, self._epochs, self._seen]
-        return int(await self._register(keys=keys, args=[replica, repr(self._clock())]))
+        args = [self._ns, replica, repr(self._clock())]
+        return int(await self._register(keys=keys, args=args))
 
     async def _write(self, script: Any, replica: str, hashes: Sequence[int]) -> bool:
         step = self.config.write_batch
         for i in range(0, max(len(hashes), 1), step):
-            keys = [self._live, *self._keys(hashes[i : i + step])]
-            if int(await script(keys=keys, args=[replica])) < 0:
+            args: list[Any] = [self._ns, replica]
+            args += [h.to_bytes(8, "big") for h in hashes[i : i + step]]
+            if int(await script(keys=[self._live], args=args)) < 0:
                 return False
         return True
 
@@ -166,24 +156,16 @@ class RedisPrefixIndex:
     async def evict(self, replica: str, hashes: Sequence[int]) -> bool:
         return await self._write(self._evict, replica, hashes)
 
-    async def purge(self, replica: str, hashes: Sequence[int]) -> None:
-        step = self.config.write_batch
-        for i in range(0, len(hashes), step):
-            keys = [self._live, *self._keys(hashes[i : i + step])]
-            await self._purge(keys=keys, args=[replica])
-
     async def match(self, hashes: Sequence[int]) -> dict[str, int]:
         if not hashes:
             return {}
-        keys = [self._live, self._seen, *self._keys(hashes)]
-        flat = await self._match(keys=keys, args=[self._floor()])
+        args: list[Any] = [self._ns, self._floor()]
+        args += [h.to_bytes(8, "big") for h in hashes]
+        flat = await self._match(keys=[self._live, self._seen], args=args)
         return {flat[i].decode(): int(flat[i + 1]) for i in range(0, len(flat), 2)}
 
     async def drop_replica(self, replica: str) -> None:
-        async with self._r.pipeline(transaction=True) as p:
-            p.hdel(self._live, replica)
-            p.zrem(self._seen, replica)
-            await p.execute()
+        await self._drop(keys=[self._live, self._seen], args=[self._ns, replica])
 
     async def heartbeat(self, replica: str) -> bool:
         keys = [self._live, self._seen]
@@ -199,10 +181,18 @@ class RedisPrefixIndex:
         seen = await self._r.zmscore(self._seen, list(out))
         return {r: e for (r, e), s in zip(out.items(), seen, strict=True) if s and s >= floor}
 
+    async def entry_count(self) -> int:
+        """Stored (block, replica) entries of live epochs (tests, benchmarks)."""
+        live = await self.live_replicas()
+        n = 0
+        for r, e in live.items():
+            n += int(await self._r.scard(self.set_key(r, e)))
+        return n
+
     async def clear_namespace(self) -> int:
         """Delete every key of this namespace (tests, benchmarks); returns how many."""
         n, batch = 0, []
-        async for key in self._r.scan_iter(match=self.config.namespace + "*", count=1000):
+        async for key in self._r.scan_iter(match=self._ns + "*", count=1000):
             batch.append(key)
             if len(batch) >= 1000:
                 n += int(await self._r.unlink(*batch))

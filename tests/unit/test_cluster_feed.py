@@ -118,7 +118,7 @@ def test_events_reach_the_index_and_disconnect_drops_the_replica() -> None:
         await feed.wait_for("A", lambda rf: not rf.connected, T)
         assert await ix.match([1, 2, 4]) == {}
         assert await ix.live_replicas() == {}
-        assert ix.entry_count() == 0  # purged after the drop
+        assert ix.entry_count() == 0  # freed with the drop
 
     run(body)
 
@@ -177,7 +177,7 @@ def test_lost_index_state_is_rebuilt_from_the_tracker() -> None:
         s = await pub.send(stored(*range(1, 201)))
         await feed.wait_for("A", applied(s), T)
         ix._live.clear()  # the index lost its state
-        ix._blocks.clear()
+        ix._sets.clear()
         s = await pub.send(stored(201, parent=200))
         rf = await feed.wait_for("A", applied(s), T)
         assert rf.stats.resyncs == 1

@@ -1,0 +1,70 @@
+"""Start a private ``redis-server`` on a free loopback port (tests, benchmarks, ``.ci/run``).
+
+No persistence (``--save '' --appendonly no``); ``--port 0`` would disable TCP in Redis, so the
+port is picked here. The caller owns the process and must :func:`stop_redis` it.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+
+class RedisNotFound(RuntimeError):
+    """``redis-server`` is not on PATH."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def ping(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+def start_redis(
+    workdir: Path, port: int | None = None, timeout_s: float = 10.0
+) -> tuple[subprocess.Popen[bytes], int]:
+    """Start redis-server as a child process; returns ``(process, port)`` once it answers."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise RedisNotFound("redis-server not on PATH (apt-get install redis-server)")
+    tries = 1 if port is not None else 5
+    for _ in range(tries):
+        p = port if port is not None else free_port()
+        proc = subprocess.Popen(
+            [
+                exe, "--port", str(p), "--bind", "127.0.0.1", "--save", "",
+                "--appendonly", "no", "--dir", str(workdir),
+                "--logfile", str(workdir / f"redis-{p}.log"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and proc.poll() is None:
+            if ping(p):
+                return proc, p
+            time.sleep(0.02)  # start-up poll
+        stop_redis(proc)
+    raise RuntimeError(f"redis-server did not start on a loopback port (see {workdir})")
+
+
+def stop_redis(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
