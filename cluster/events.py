@@ -38,6 +38,20 @@ class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     group_idx: int | None = None
 
 
+class LeanBlockStored(msgspec.Struct, tag="BlockStored", omit_defaults=True, gc=False):
+    """``BlockStored`` with ``token_ids`` left undecoded (engine mode never reads them)."""
+
+    block_hashes: list[ExternalHash]
+    parent_block_hash: ExternalHash | None
+    token_ids: msgspec.Raw
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+
+
 class BlockRemoved(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
     block_hashes: list[ExternalHash]
     medium: str | None = None
@@ -49,6 +63,7 @@ class AllBlocksCleared(msgspec.Struct, tag=True, omit_defaults=True, gc=False):
 
 
 KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+LeanKVEvent = LeanBlockStored | BlockRemoved | AllBlocksCleared
 
 
 class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -57,15 +72,23 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     data_parallel_rank: int | None = None
 
 
+class LeanKVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[LeanKVEvent]
+    data_parallel_rank: int | None = None
+
+
 _decoder = msgspec.msgpack.Decoder(KVEventBatch)
+_lean_decoder = msgspec.msgpack.Decoder(LeanKVEventBatch)
 _encoder = msgspec.msgpack.Encoder()
 
 END_SEQ = -1
 
 
-def decode_batch(payload: bytes) -> KVEventBatch:
-    """Decode one payload frame; raises ``msgspec.DecodeError`` on a malformed one."""
-    return _decoder.decode(payload)
+def decode_batch(payload: bytes, lean: bool = False) -> KVEventBatch | LeanKVEventBatch:
+    """Decode one payload frame; raises ``msgspec.DecodeError`` on a malformed one.
+    ``lean``: leave each ``BlockStored.token_ids`` as raw msgpack (about 4x faster)."""
+    return (_lean_decoder if lean else _decoder).decode(payload)
 
 
 def encode_batch(batch: KVEventBatch) -> bytes:
@@ -166,7 +189,14 @@ class ReplicaTracker:
             return "gap"
         return "restart" if seq == 0 else "duplicate"
 
-    def apply(self, seq: int, batch: KVEventBatch, *, allow_gap: bool = True) -> Delta:
+    @property
+    def lean(self) -> bool:
+        """Whether this tracker can take batches decoded with ``lean=True``."""
+        return self.mode is HashMode.ENGINE
+
+    def apply(
+        self, seq: int, batch: KVEventBatch | LeanKVEventBatch, *, allow_gap: bool = True
+    ) -> Delta:
         """Apply one batch. A gap or restart clears the set first and returns ``reset``;
         with ``allow_gap=False`` a gap raises ``LookupError`` instead (the caller replays)."""
         kind = self.check_seq(seq)
@@ -193,7 +223,7 @@ class ReplicaTracker:
             self.stats.filtered += 1
         return ok
 
-    def _apply_event(self, ev: KVEvent, delta: Delta) -> None:
+    def _apply_event(self, ev: KVEvent | LeanKVEvent, delta: Delta) -> None:
         if isinstance(ev, AllBlocksCleared):
             self.stats.clears += 1
             self.clear()
@@ -220,11 +250,11 @@ class ReplicaTracker:
             if not delta.reset:
                 delta.touched[ih] = True
 
-    def _stored(self, ev: BlockStored) -> list[tuple[int, int]]:
-        hashes = [as_int(h) for h in ev.block_hashes]
+    def _stored(self, ev: BlockStored | LeanBlockStored) -> list[tuple[int, int]]:
+        hashes = [h if type(h) is int else as_int(h) for h in ev.block_hashes]
         if self.mode is HashMode.ENGINE:
             return [(h, h) for h in hashes]
-        assert self.hasher is not None
+        assert self.hasher is not None and isinstance(ev, BlockStored)
         parent: bytes | None = None
         if ev.parent_block_hash is not None:
             parent = self._digest.get(as_int(ev.parent_block_hash))
@@ -243,13 +273,13 @@ class ReplicaTracker:
         return out
 
 
-def stored_hashes(batches: Iterable[KVEventBatch]) -> list[int]:
+def stored_hashes(batches: Iterable[KVEventBatch | LeanKVEventBatch]) -> list[int]:
     """The 64-bit hashes of every ``BlockStored`` in order (e.g. a probe prompt's blocks, for
     :func:`cluster.hashing.check_alignment`)."""
     return [
         as_int(h)
         for b in batches
         for ev in b.events
-        if isinstance(ev, BlockStored)
+        if isinstance(ev, BlockStored | LeanBlockStored)
         for h in ev.block_hashes
     ]

@@ -269,7 +269,7 @@ class KVEventFeed:
             return None
         seq = decode_seq(frame[1])
         try:
-            batch = decode_batch(frame[2])
+            batch = decode_batch(frame[2], lean=rf.tracker.lean)
         except Exception:
             rf.stats.bad_payloads += 1
             log.warning("undecodable KV-event payload from %s (seq %d)", rf.replica, seq)
@@ -300,7 +300,11 @@ class KVEventFeed:
                         return delta
                     seq = decode_seq(frame[2])
                     # a gap fill must start exactly at ``start``; later frames are in order
-                    delta.merge(rf.tracker.apply(seq, decode_batch(frame[3]), allow_gap=False))
+                    delta.merge(
+                        rf.tracker.apply(
+                            seq, decode_batch(frame[3], lean=rf.tracker.lean), allow_gap=False
+                        )
+                    )
         except Exception:
             rf.stats.replay_failures += 1
             log.warning("replay from %s (seq %s) failed", rf.replica, start, exc_info=True)

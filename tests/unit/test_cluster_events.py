@@ -9,6 +9,7 @@ from cluster.events import (
     BlockRemoved,
     BlockStored,
     KVEventBatch,
+    LeanBlockStored,
     ReplicaTracker,
     decode_batch,
     encode_batch,
@@ -117,3 +118,17 @@ def test_tokens_mode_needs_a_tokens_hasher() -> None:
 def test_stored_hashes_in_order() -> None:
     bs = [batch(stored([5, 6]), BlockRemoved(block_hashes=[1])), batch(stored([7]))]
     assert stored_hashes(bs) == [5, 6, 7]
+
+
+def test_lean_decoding_keeps_everything_but_the_tokens() -> None:
+    b = batch(
+        stored([1, 2], medium="GPU", extra_keys=[("A",), None]), BlockRemoved(block_hashes=[1])
+    )
+    raw = encode_batch(b)
+    lean = decode_batch(raw, lean=True)
+    full = decode_batch(raw)
+    ev, fe = lean.events[0], full.events[0]
+    assert isinstance(ev, LeanBlockStored) and isinstance(fe, BlockStored)
+    assert (ev.block_hashes, ev.extra_keys, ev.medium) == (fe.block_hashes, fe.extra_keys, "GPU")
+    t1, t2 = ReplicaTracker(), ReplicaTracker()
+    assert t1.apply(0, lean).touched == t2.apply(0, full).touched == {1: False, 2: True}
