@@ -38,8 +38,21 @@ from typing import Any
 
 from cluster.index import Clock, IndexConfig
 
-# KEYS[1]=live KEYS[2]=seen; ARGV[1]=namespace ARGV[2]=liveness floor or '' ARGV[3..]=hashes
-_MATCH = """
+# Hashes travel as one argument, 8 bytes each, and are split here: redis-py spends ~5 us
+# packing each separate argument, Lua ~0.1 us per string.sub.
+_SPLIT = """
+local function split(s)
+  local t = {}
+  for i = 1, #s, 8 do t[#t + 1] = string.sub(s, i, i + 7) end
+  return t
+end
+"""
+
+# KEYS[1]=live KEYS[2]=seen; ARGV[1]=namespace ARGV[2]=liveness floor or '' ARGV[3]=hashes
+_MATCH = (
+    _SPLIT
+    + """
+local hs = split(ARGV[3])
 local live = redis.call('HGETALL', KEYS[1])
 local ttl = ARGV[2] ~= ''
 local floor = ttl and tonumber(ARGV[2]) or 0
@@ -53,7 +66,7 @@ for i = 1, #live, 2 do
   end
   if ok then
     local hits = redis.call('SMISMEMBER', ARGV[1] .. 'r:' .. r .. ':' .. live[i + 1],
-                            unpack(ARGV, 3))
+                            unpack(hs))
     local n = 0
     while n < #hits and hits[n + 1] == 1 do n = n + 1 end
     if n > 0 then out[#out + 1] = r; out[#out + 1] = n end
@@ -61,14 +74,18 @@ for i = 1, #live, 2 do
 end
 return out
 """
+)
 
-# KEYS[1]=live; ARGV[1]=namespace ARGV[2]=replica ARGV[3..]=hashes
-_WRITE = """
+# KEYS[1]=live; ARGV[1]=namespace ARGV[2]=replica ARGV[3]=hashes
+_WRITE = (
+    _SPLIT
+    + """
 local e = redis.call('HGET', KEYS[1], ARGV[2])
 if not e then return -1 end
-if #ARGV < 3 then return 0 end
-return redis.call('{op}', ARGV[1] .. 'r:' .. ARGV[2] .. ':' .. e, unpack(ARGV, 3))
+if #ARGV[3] == 0 then return 0 end
+return redis.call('{op}', ARGV[1] .. 'r:' .. ARGV[2] .. ':' .. e, unpack(split(ARGV[3])))
 """
+)
 
 # KEYS[1]=live KEYS[2]=epochs KEYS[3]=seen; ARGV[1]=namespace ARGV[2]=replica ARGV[3]=now
 _REGISTER = """
@@ -95,6 +112,10 @@ if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then return 0 end
 redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
 return 1
 """
+
+
+def _pack(hashes: Sequence[int]) -> bytes:
+    return b"".join([h.to_bytes(8, "big") for h in hashes])
 
 
 class RedisPrefixIndex:
@@ -144,8 +165,7 @@ class RedisPrefixIndex:
     async def _write(self, script: Any, replica: str, hashes: Sequence[int]) -> bool:
         step = self.config.write_batch
         for i in range(0, max(len(hashes), 1), step):
-            args: list[Any] = [self._ns, replica]
-            args += [h.to_bytes(8, "big") for h in hashes[i : i + step]]
+            args: list[str | bytes] = [self._ns, replica, _pack(hashes[i : i + step])]
             if int(await script(keys=[self._live], args=args)) < 0:
                 return False
         return True
@@ -159,8 +179,7 @@ class RedisPrefixIndex:
     async def match(self, hashes: Sequence[int]) -> dict[str, int]:
         if not hashes:
             return {}
-        args: list[Any] = [self._ns, self._floor()]
-        args += [h.to_bytes(8, "big") for h in hashes]
+        args: list[str | bytes] = [self._ns, self._floor(), _pack(hashes)]
         flat = await self._match(keys=[self._live, self._seen], args=args)
         return {flat[i].decode(): int(flat[i + 1]) for i in range(0, len(flat), 2)}
 
