@@ -380,6 +380,7 @@ def _sec_spike(variant: str) -> Callable[[int, bool, EngineProfile, float, float
             profile=profile,
             cache_fraction=frac if frac is not None else 0.3,
             load_scale=load,
+            capacity_sample=200 if quick else 400,
             keys=keys,
         )
 
@@ -401,6 +402,7 @@ def _long_prompts(
         profile=profile,
         cache_fraction=frac if frac is not None else 0.3,
         load_scale=load,
+        capacity_sample=200 if quick else 400,
         keys=("short", "long", "calm", "burst"),
     )
 
@@ -427,6 +429,7 @@ def _grid_cell(
             profile=profile,
             cache_fraction=frac if frac is not None else grid_cache,
             load_scale=load,
+            capacity_sample=200 if quick else 400,
             keys=keys,
         )
 
@@ -662,6 +665,7 @@ def musique_workload(
         profile=profile,
         cache_fraction=frac if frac is not None else 0.3,
         load_scale=load,
+        capacity_sample=200 if quick else 400,
         keys=("calm", "burst"),
     )
 

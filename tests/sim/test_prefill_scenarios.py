@@ -125,3 +125,14 @@ def test_requests_carry_their_labels() -> None:
         assert isinstance(r, SimRequest)
         assert ("long" in r.labels) != ("short" in r.labels)
         assert ("long" in r.labels) == (r.prompt_tokens >= 7_500)
+
+
+@pytest.mark.slow
+def test_musique_prompts_share_passage_prefixes() -> None:
+    w = build_scenario("musique", seed=0, quick=True, profile=PROFILE)
+    firsts: dict[tuple[int, ...], int] = {}
+    for r in w.requests:
+        assert r.prompt_tokens > 1000  # ten passages of ~560 tokens
+        key = r.block_hashes[:20]
+        firsts[key] = firsts.get(key, 0) + 1
+    assert max(firsts.values()) >= 2  # some prompts share at least 20 leading blocks
