@@ -177,17 +177,18 @@ def plot(path: Path, runs: dict[str, RunResult], work: Workload, title: str | No
     import numpy as np
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 4.8))
-    for name, res in runs.items():
+    for i, (name, res) in enumerate(runs.items()):
+        style = ("-", "--", ":")[(i // 10) % 3]  # the colour cycle has ten colours
         t = np.sort(np.asarray(res.ttfts()))
         if t.size:
-            ax1.plot(t, np.arange(1, t.size + 1) / t.size, label=name)
+            ax1.plot(t, np.arange(1, t.size + 1) / t.size, style, label=name)
         arr = sorted((f.arrival_s, f.ttft_s) for f in res.finished)
         if len(arr) >= 10:
             xs = np.array([a for a, _ in arr])
             ys = np.array([y for _, y in arr])
             w = max(5, len(arr) // 40)
             p99 = [np.percentile(ys[max(0, i - w) : i + 1], 99) for i in range(len(ys))]
-            ax2.plot(xs, p99, label=f"{name} p99", lw=1)
+            ax2.plot(xs, p99, style, label=f"{name} p99", lw=1)
     ax1.set_xscale("log")
     ax1.set_xlabel("TTFT (s, simulated)")
     ax1.set_ylabel("fraction of requests")
