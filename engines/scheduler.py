@@ -89,6 +89,7 @@ class StepRecord:
     itl_s: float
     window_tokens: float
     token_load: int
+    token_load_after: int
 
 
 @dataclass(slots=True)
@@ -153,13 +154,12 @@ class PdserveSchedulerMixin:
             make_prefill_policy(name, profile, cfg.fairway) if name is not None else None
         )
         self.gate: TWP | None = TWP(profile, cfg.twp) if gate == "twp" and profile else None
-        if (
-            self.gate is not None
-            and self.colocated
-            and cfg.colocated_chunking
-            and not self.scheduler_config.long_prefill_token_threshold
-        ):
-            self.scheduler_config.long_prefill_token_threshold = cfg.twp.C
+        if not hasattr(self, "_engine_long_prefill"):
+            self._engine_long_prefill = self.scheduler_config.long_prefill_token_threshold
+        threshold = self._engine_long_prefill
+        if self.gate is not None and self.colocated and cfg.colocated_chunking and not threshold:
+            threshold = cfg.twp.C
+        self.scheduler_config.long_prefill_token_threshold = threshold
         if self._publisher is not None and self._publisher.endpoint != cfg.channel:
             self._publisher.close()
             self._publisher = None
@@ -188,6 +188,7 @@ class PdserveSchedulerMixin:
             if held:
                 self.waiting.extend(held)
         t2 = self.clock()
+        load_after = self._running_token_load() if self.gate is not None else 0
         decode = 0
         for rid in out.num_scheduled_tokens:
             r = self.requests.get(rid)
@@ -204,6 +205,8 @@ class PdserveSchedulerMixin:
                 "tokens": out.total_num_scheduled_tokens,
                 "decode": decode,
                 "ids": list(out.num_scheduled_tokens),
+                "load_after": load_after,
+                "window": self.gate.window_tokens if self.gate is not None else 0.0,
             }
         )
         return out
@@ -259,8 +262,9 @@ class PdserveSchedulerMixin:
             scheduled_tokens=pend["tokens"],
             decode_requests=pend["decode"],
             itl_s=itl,
-            window_tokens=self.gate.window_tokens if self.gate else 0.0,
+            window_tokens=pend["window"],
             token_load=self._token_load,
+            token_load_after=pend["load_after"],
         )
         self.records.append(rec)
         self._step += 1
@@ -392,6 +396,15 @@ class PdserveSchedulerMixin:
         return admitted, held
 
     # ----- helpers -------------------------------------------------------------------
+    def _running_token_load(self) -> int:
+        """``K = sum max(1, L_hat - generated)`` over vLLM's running requests (tokens)."""
+        k = 0
+        for r in self.running:
+            i = self._info.get(r.request_id)
+            lh = i.l_hat if i is not None and i.l_hat else r.max_tokens
+            k += max(1, lh - r.num_output_tokens)
+        return k
+
     def _total_blocks(self) -> int:
         return max(1, int(self.kv_cache_manager.block_pool.num_gpu_blocks) - 1)
 

