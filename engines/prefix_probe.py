@@ -26,6 +26,7 @@ class RecordingBlockHashMap(BlockHashToBlockMap):
     """``BlockHashToBlockMap`` that remembers which block hashes changed (insert or pop)."""
 
     changed: set[bytes]
+    pops: int = 0  # cached blocks removed (eviction or reset)
 
     def insert(self, key: Any, block: Any) -> None:
         super().insert(key, block)
@@ -35,6 +36,7 @@ class RecordingBlockHashMap(BlockHashToBlockMap):
         out = super().pop(key, block_id)
         if out is not None:
             self.changed.add(get_block_hash(key))
+            self.pops += 1
         return out
 
 
@@ -64,6 +66,11 @@ class PrefixProbe:
         m.changed = set()
         self._map = m
         return True
+
+    @property
+    def evictions(self) -> int:
+        """Cached blocks the pool removed since the probe was installed on this map."""
+        return self._map.pops if self._map is not None else 0
 
     def _lookup(self, request: Any) -> int:
         self.lookups += 1

@@ -21,7 +21,7 @@ TOPIC = b"pdserve.state"
 
 
 class StatePublisher:
-    """Binds a PUB socket at ``endpoint``; ``publish`` never blocks (drops when no reader)."""
+    """Binds a PUB socket at ``endpoint``; ``publish`` never blocks; only the newest snapshot is queued."""
 
     def __init__(self, endpoint: str) -> None:
         import zmq
@@ -29,7 +29,7 @@ class StatePublisher:
         self.endpoint = endpoint
         self._ctx: Any = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.PUB)
-        self._sock.setsockopt(zmq.SNDHWM, 4)
+        self._sock.setsockopt(zmq.CONFLATE, 1)  # keep only the newest snapshot queued
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.bind(endpoint)
         self._noblock = zmq.NOBLOCK
