@@ -26,7 +26,9 @@ def _run(routing: str, policy: str = "fairway", replicas: int = 4):  # type: ign
         SimRequest(q.request_id, q.arrival_s / replicas, q.prompt_tokens, q.block_hashes, q.labels)
         for q in work.requests
     ]
-    return simulate_cluster(reqs, replicas, routing, policy, prof, work.cache_blocks, warm=work.warm)
+    return simulate_cluster(
+        reqs, replicas, routing, policy, prof, work.cache_blocks, warm=work.warm
+    )
 
 
 def test_every_request_finishes_and_work_is_accounted() -> None:
