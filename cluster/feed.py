@@ -17,7 +17,9 @@ DEALER to its ``replay_endpoint``, and a socket monitor. Life cycle:
   feed re-register and re-record the whole block set (``stats.resyncs``).
 - publisher disconnected (engine stopped or crashed): ``index.drop_replica`` (O(1)); the socket
   reconnects by itself and a restarted engine starts a new epoch.
-- while connected, ``index.heartbeat`` every ``heartbeat_s`` (for ``liveness_ttl_s``).
+- while connected, ``index.heartbeat`` every ``heartbeat_s`` (for ``liveness_ttl_s``); a
+  heartbeat answered "not live", or a failed write before it, rebuilds the replica's entries
+  without waiting for the next event.
 
 ``wait_for(replica, predicate, timeout_s)`` lets tests and start-up code await a state without
 sleeping.
@@ -41,6 +43,7 @@ from cluster.events import (
     END_SEQ,
     Delta,
     KVEventBatch,
+    LeanKVEventBatch,
     ReplicaTracker,
     decode_batch,
     decode_seq,
@@ -84,6 +87,7 @@ class ReplicaFeed:
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     dirty: bool = False
+    observers: list[Callable[[KVEventBatch | LeanKVEventBatch], None]] = field(default_factory=list)
 
 
 class KVEventFeed:
@@ -211,6 +215,10 @@ class KVEventFeed:
             delta = await self._replay(rf, None)
             if delta is not None:
                 await self._write(rf, delta)
+            if rf.tracker.next_seq is None:
+                # Nothing published yet: the first batch is seq 0, so a batch lost to the
+                # subscription not being in place yet shows as a gap and is replayed.
+                rf.tracker.expect(0)
 
     async def _on_disconnect(self, rf: ReplicaFeed) -> None:
         rf.stats.disconnects += 1
@@ -223,8 +231,16 @@ class KVEventFeed:
     async def _beat(self, rf: ReplicaFeed) -> None:
         while True:
             await asyncio.sleep(self.heartbeat_s)  # a period, not a synchronisation
-            if rf.connected and rf.epoch is not None:
-                await self._guarded(rf, self.index.heartbeat(rf.replica))
+            if not rf.connected:
+                continue
+            alive = rf.epoch is not None and await self._guarded(
+                rf, self.index.heartbeat(rf.replica)
+            )
+            if rf.dirty or not alive:  # the index lost us (restart, outage): rebuild now
+                async with rf.lock:
+                    rf.stats.resyncs += 1
+                    await self._guarded(rf, self._rebuild(rf))
+                await self._notify()
 
     async def _guarded(self, rf: ReplicaFeed, op: Any) -> Any:
         """Await an index call; an outage is logged and counted, never kills the feed."""
@@ -274,6 +290,8 @@ class KVEventFeed:
             rf.stats.bad_payloads += 1
             log.warning("undecodable KV-event payload from %s (seq %d)", rf.replica, seq)
             return None
+        for observe in rf.observers:
+            observe(batch)
         if rf.tracker.check_seq(seq) == "gap" and rf.replay_endpoint is not None:
             replayed = await self._replay(rf, rf.tracker.next_seq)
             if replayed is not None:
