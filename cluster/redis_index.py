@@ -17,8 +17,9 @@ key                        type    content
 =========================  ======  ==========================================================
 
 Every operation is one script call, so one round trip. ``match`` reads ``live`` (and ``seen``),
-then for each live replica asks ``SMISMEMBER`` of its set for the prompt's hashes and counts the
-leading hits up to the first miss (at most ``replicas x blocks`` set probes, all server-side).
+then for each live replica probes its set for the first block (``SISMEMBER``) and, on a hit,
+for the rest (``SMISMEMBER``), counting the leading hits up to the first miss (at most
+``replicas x blocks`` set probes, all server-side).
 ``record``/``evict`` are one ``SADD``/``SREM`` of up to ``write_batch`` hashes and check the live
 epoch in the same script, so a dropped replica is never resurrected by a late write.
 ``register`` and ``drop_replica`` ``UNLINK`` the old epoch's set (freed in Redis's background
@@ -64,12 +65,15 @@ for i = 1, #live, 2 do
     local s = redis.call('ZSCORE', KEYS[2], r)
     ok = s and tonumber(s) >= floor
   end
-  if ok then
-    local hits = redis.call('SMISMEMBER', ARGV[1] .. 'r:' .. r .. ':' .. live[i + 1],
-                            unpack(hs))
-    local n = 0
-    while n < #hits and hits[n + 1] == 1 do n = n + 1 end
-    if n > 0 then out[#out + 1] = r; out[#out + 1] = n end
+  local key = ARGV[1] .. 'r:' .. r .. ':' .. live[i + 1]
+  -- most replicas lack the first block: one cheap probe before the bulk one
+  if ok and redis.call('SISMEMBER', key, hs[1]) == 1 then
+    local n = 1
+    if #hs > 1 then
+      local hits = redis.call('SMISMEMBER', key, unpack(hs, 2))
+      while n <= #hits and hits[n] == 1 do n = n + 1 end
+    end
+    out[#out + 1] = r; out[#out + 1] = n
   end
 end
 return out

@@ -19,9 +19,10 @@ from typing import Any
 import pytest
 
 from cluster.events import ReplicaTracker
-from cluster.feed import KVEventFeed, ReplicaFeed, kv_events_config
-from cluster.hashing import BlockHasher, HashConfig, check_alignment, low64
+from cluster.feed import KVEventFeed, kv_events_config
+from cluster.hashing import TOKENS_MODE_CONFIG, BlockHasher, HashConfig, HashMode, low64
 from cluster.index import IndexConfig, PrefixIndex, make_index
+from cluster.probe import probe_hash_mode
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -100,16 +101,21 @@ def _engine_hashes(llm: Any) -> set[int]:
 
 
 def _holds(hashes: list[int]) -> Any:
-    return lambda rf: rf.connected and set(hashes) <= set(rf.tracker.blocks)
+    return lambda rf: rf.connected and set(hashes) <= set(rf.tracker.blocks.values())
 
 
-@pytest.mark.parametrize("backend", ["memory", "redis"])
+@pytest.mark.parametrize(
+    ("backend", "mode"),
+    [("memory", HashMode.ENGINE), ("redis", HashMode.ENGINE), ("memory", HashMode.TOKENS)],
+)
 def test_index_from_engine_events_routes_to_the_holder(
-    engines: dict[str, Any], backend: str, request: pytest.FixtureRequest
+    engines: dict[str, Any], backend: str, mode: HashMode, request: pytest.FixtureRequest
 ) -> None:
     url = request.getfixturevalue("redis_url") if backend == "redis" else "redis://unused"
-    hasher = BlockHasher(HashConfig.from_env(algo="sha256", block_size=BLOCK))
-    rng = random.Random(1 if backend == "memory" else 2)
+    engine_hasher = BlockHasher(HashConfig.from_env(algo="sha256", block_size=BLOCK))
+    tokens_cfg = TOKENS_MODE_CONFIG.model_copy(update={"block_size": BLOCK})
+    hasher = engine_hasher if mode is HashMode.ENGINE else BlockHasher(tokens_cfg, HashMode.TOKENS)
+    rng = random.Random({"memory": 1, "redis": 2}[backend] + 10 * (mode is HashMode.TOKENS))
     prefix = [rng.randrange(10, 1500) for _ in range(4 * BLOCK)]
     salt = f"tenant-{backend}"
     probe = prefix + [rng.randrange(10, 1500) for _ in range(40)]
@@ -128,15 +134,26 @@ def test_index_from_engine_events_routes_to_the_holder(
                     name,
                     f"tcp://127.0.0.1:{e['port']}",
                     replay_endpoint=f"tcp://127.0.0.1:{e['replay']}",
-                    tracker=ReplicaTracker(),
+                    tracker=ReplicaTracker(mode, hasher if mode is HashMode.TOKENS else None),
                 )
                 await feed.wait_for(name, lambda rf: rf.tracker.next_seq is not None, T)
 
+            # 0. the ingress's start-up probe: our hashes equal A's own
+            async def send(ids: list[int], s: str | None) -> None:
+                await asyncio.to_thread(_generate, engines["A"]["llm"], ids, s)
+
+            assert (
+                await probe_hash_mode(
+                    feed, "A", send, engine_hasher, vocab=1500, allow_fallback=False, timeout_s=T
+                )
+                is HashMode.ENGINE
+            )
+
             # 1. the long prefix goes to A once; A's own events build the index
             await asyncio.to_thread(_generate, engines["A"]["llm"], probe, salt)
-            rf: ReplicaFeed = await feed.wait_for("A", _holds(ours), T)
-            assert set(ours) <= _engine_hashes(engines["A"]["llm"])  # vLLM's own hashes
-            check_alignment(ours, [h for h in ours if h in rf.tracker.blocks], hasher.config)
+            await feed.wait_for("A", _holds(ours), T)
+            if mode is HashMode.ENGINE:  # vLLM's own prefix-cache map has our hashes
+                assert set(ours) <= _engine_hashes(engines["A"]["llm"])
             assert await index.match(ours) == {"A": 4}
             assert await index.match(hasher.prefix_hashes(probe)) == {}  # another tenant
 
@@ -152,8 +169,9 @@ def test_index_from_engine_events_routes_to_the_holder(
             assert other.num_cached_tokens == 0  # the index's answer mattered
             await feed.wait_for("B", _holds(want), T)
             assert await index.match(want) == {"A": 4, "B": 4}
-            stats = feed.replicas["A"].stats
-            assert stats.epochs == 1 and feed.replicas["A"].tracker.stats.gaps == 0
+            rf = feed.replicas["A"]
+            assert rf.stats.epochs == 1 and rf.tracker.stats.gaps == 0
+            assert rf.tracker.stats.unchained == 0
         finally:
             await feed.close()
             await index.close()
