@@ -30,7 +30,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,7 +47,7 @@ from cluster.events import (
     decode_batch,
     decode_seq,
 )
-from cluster.index import Clock, PrefixIndex
+from cluster.index import PrefixIndex
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +64,7 @@ class FeedStats:
     replay_failures: int = 0
     discarded: int = 0
     index_errors: int = 0
+    ingest_errors: int = 0
     bad_payloads: int = 0
     write_round_trips: int = 0
     written_blocks: int = 0
@@ -100,14 +100,12 @@ class KVEventFeed:
         write_batch: int = 1024,
         heartbeat_s: float = 1.0,
         replay_timeout_s: float = 2.0,
-        clock: Clock = time.monotonic,
         context: zmq.asyncio.Context | None = None,
     ) -> None:
         self.index = index
         self.write_batch = write_batch
         self.heartbeat_s = heartbeat_s
         self.replay_timeout_s = replay_timeout_s
-        self._clock = clock
         self._ctx = context or zmq.asyncio.Context.instance()
         self.replicas: dict[str, ReplicaFeed] = {}
         self._changed = asyncio.Condition()
@@ -259,7 +257,15 @@ class KVEventFeed:
                     frames.append(await rf.sub.recv_multipart(flags=zmq.NOBLOCK))
                 except zmq.Again:
                     break
-            await self.ingest(rf, frames)
+            try:
+                await self.ingest(rf, frames)
+            except Exception:  # a bug on one burst must not stop the replica's feed
+                rf.stats.ingest_errors += 1
+                log.exception("KV-event burst from %s failed; starting a new epoch", rf.replica)
+                async with rf.lock:
+                    rf.tracker.clear()
+                    rf.tracker.expect(None)
+                    await self._guarded(rf, self._rebuild(rf))
 
     async def ingest(self, rf: ReplicaFeed, frames: list[list[bytes]]) -> Delta:
         """Apply frames ``(topic, seq, payload)`` in order, then write their net effect.
