@@ -31,6 +31,7 @@ time-out (``asyncio.wait_for``) and fall back to load-only routing when it expir
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 from collections.abc import Callable, Sequence
@@ -195,3 +196,21 @@ def make_index(config: IndexConfig, clock: Clock = time.time) -> PrefixIndex:
 
         return RedisPrefixIndex(config, clock=clock)
     return MemoryPrefixIndex(config, clock=clock)
+
+
+async def match_within(
+    index: PrefixIndex, hashes: Sequence[int], timeout_s: float
+) -> dict[str, int] | None:
+    """``index.match(hashes)`` bounded by ``timeout_s``; ``None`` on time-out or index error.
+
+    The hot-path form for the router and the ingress: on ``None`` they route by load only and
+    count the fallback (design rule 7: degrade on the hot path, never a 500)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await index.match(hashes)
+    except (TimeoutError, OSError, ConnectionError):
+        return None
+    except Exception as e:  # redis.exceptions.* without importing redis here
+        if type(e).__module__.startswith("redis"):
+            return None
+        raise

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
 import pytest
@@ -247,3 +247,26 @@ def test_matches_reference_model(factory: Factory, ops: list[tuple[str, str, lis
             assert await ix.match(p) == _reference(ops, p)
 
     run(factory, body)
+
+
+def test_match_within_returns_none_on_timeout_and_index_errors() -> None:
+    from cluster.index import match_within
+
+    class Stuck(MemoryPrefixIndex):
+        async def match(self, hashes: Sequence[int]) -> dict[str, int]:
+            await asyncio.Event().wait()  # never answers
+            return {}
+
+    class Down(MemoryPrefixIndex):
+        async def match(self, hashes: Sequence[int]) -> dict[str, int]:
+            raise ConnectionError("index down")
+
+    async def main() -> None:
+        ok = MemoryPrefixIndex()
+        await ok.register("a")
+        await ok.record("a", H)
+        assert await match_within(ok, H, 1.0) == {"a": len(H)}
+        assert await match_within(Stuck(), H, 0.01) is None
+        assert await match_within(Down(), H, 1.0) is None
+
+    asyncio.run(main())
