@@ -547,8 +547,12 @@ def trace_workload(
     cfg = EngineConfig(token_budget=profile.token_budget, block_size=block_size)
     notes = [
         f"{capped} of {len(reqs)} prompts longer than the modelled context ({max_context}) capped",
-        f"KV cache {cache} blocks of {block_size} = {cache / max(1, reuse):.2f} of reusable "
-        f"content ({reuse} blocks referenced >= 2 times)"
+        (
+            f"KV cache {cache} blocks of {block_size} = {cache / reuse:.2f} of reusable "
+            f"content ({reuse} blocks referenced >= 2 times)"
+            if reuse
+            else f"KV cache {cache} blocks of {block_size}; no reusable content"
+        )
         + (" (floor: room for 4 of the longest prompts)" if cache == floor else ""),
     ]
     if cache_free:
