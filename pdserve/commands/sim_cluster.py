@@ -43,7 +43,7 @@ def sim_cluster(
 
     from bench.cluster_sim import simulate_cluster
     from bench.prefill_scenarios import SCENARIOS
-    from bench.prefill_sim import SimRequest
+    from bench.prefill_sim import EngineConfig, SimRequest
     from bench.profiles import load_profile
     from controllers.prefill import prefill_policy_names
     from controllers.routing import ROUTING_NAMES
@@ -102,6 +102,7 @@ def sim_cluster(
             p,
             prof,
             work.cache_blocks,
+            config=EngineConfig(token_budget=prof.token_budget, block_size=work.block_size),
             report_period_s=report_period_s,
             warm=work.warm,
         )

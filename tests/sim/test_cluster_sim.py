@@ -8,7 +8,7 @@ import pytest
 
 from bench.cluster_sim import simulate_cluster
 from bench.prefill_scenarios import build_scenario
-from bench.prefill_sim import SimRequest
+from bench.prefill_sim import EngineConfig, SimRequest
 from bench.profiles import load_profile
 
 pytestmark = pytest.mark.slow
@@ -27,7 +27,14 @@ def _run(routing: str, policy: str = "fairway", replicas: int = 4):  # type: ign
         for q in work.requests
     ]
     return simulate_cluster(
-        reqs, replicas, routing, policy, prof, work.cache_blocks, warm=work.warm
+        reqs,
+        replicas,
+        routing,
+        policy,
+        prof,
+        work.cache_blocks,
+        config=EngineConfig(token_budget=prof.token_budget, block_size=work.block_size),
+        warm=work.warm,
     )
 
 
