@@ -8,6 +8,7 @@ from controllers.config import FairwayConfig
 from controllers.prefill.base import PrefillPolicy
 from controllers.prefill.baselines import FCFS, KLPM, LPM, PeekLike, PrebleLike, RAGCacheOrder
 from controllers.prefill.fairway import Fairway
+from controllers.prefill.xstep import FairwayXStep
 from controllers.profile import EngineProfile
 
 Factory = Callable[[EngineProfile | None, FairwayConfig], PrefillPolicy]
@@ -34,6 +35,7 @@ _FACTORIES: dict[str, Factory] = {
     "fairway_abs_nofair": lambda p, c: Fairway(
         c.model_copy(update={"relative_wait": False, "fair_lane": False})
     ),
+    "fairway_xstep": lambda p, c: FairwayXStep(fairway=c),
 }
 
 
