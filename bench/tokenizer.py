@@ -27,8 +27,11 @@ import json
 from collections.abc import Iterable, Iterator, Sequence
 from functools import lru_cache
 from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 TOKENIZER_DIR = Path(__file__).parent / "data" / "tokenizer"
 TOKENIZER_FILE = TOKENIZER_DIR / "tokenizer.json"
@@ -36,9 +39,21 @@ DEFAULT_VOCAB_SIZE = 16384
 SPECIAL_TOKENS = ("<|begin_of_text|>", "<|end_of_text|>", "<|pad|>")
 
 
+def _tokenizers() -> ModuleType:
+    try:
+        import tokenizers
+    except ImportError:  # pragma: no cover - the engine extra installs it
+        raise ImportError(
+            "bench.tokenizer needs the `tokenizers` package (pip install tokenizers, or the "
+            "project's `engine` extra)"
+        ) from None
+    return tokenizers
+
+
 @lru_cache(maxsize=4)
 def load_tokenizer(path: str | None = None) -> Tokenizer:
     """The shipped tokenizer (or one saved at ``path``), loaded once per process."""
+    Tokenizer = _tokenizers().Tokenizer  # noqa: N806
     p = Path(path) if path is not None else TOKENIZER_FILE
     if not p.exists():
         raise FileNotFoundError(
@@ -67,7 +82,14 @@ def train_tokenizer(
     texts: Iterable[str], out_dir: str | Path, vocab_size: int = DEFAULT_VOCAB_SIZE
 ) -> Path:
     """Train a byte-level BPE over ``texts`` and save ``tokenizer.json`` in ``out_dir``."""
-    tok = Tokenizer(models.BPE())
+    tk = _tokenizers()
+    decoders, models, pre_tokenizers, trainers = (
+        tk.decoders,
+        tk.models,
+        tk.pre_tokenizers,
+        tk.trainers,
+    )
+    tok = tk.Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
@@ -141,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"wrote {path}")
     if args.traces:
         held = list(shared_corpus(args.traces, heldout=True))
-        tok = Tokenizer.from_file(str(path))
+        tok = load_tokenizer(str(path))
         n_tok = sum(len(e.ids) for e in tok.encode_batch(held, add_special_tokens=False))
         print(f"held-out: {sum(map(len, held)) / n_tok:.2f} characters per token")
 

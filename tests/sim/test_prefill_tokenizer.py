@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
-from bench.tokenizer import count_tokens, count_tokens_batch, encode, load_tokenizer
+import pytest
+
+pytest.importorskip("tokenizers")
+
+from bench.tokenizer import count_tokens, count_tokens_batch, encode, load_tokenizer  # noqa: E402
 
 PROSE = (
     "The company reported quarterly revenue of $4.2 billion, an increase of 12 percent "
