@@ -50,11 +50,16 @@ class LPM:
 
 
 class KLPM:
-    """k-LPM: LPM, but every k-th slot of the order goes to the oldest request not yet placed.
+    """k-LPM: LPM, but every k-th admission goes to the oldest waiting request.
 
-    Slots are counted from 1: with k = 4, slots 4, 8, 12, ... are arrival-ordered.
-    This is the "let the oldest run once every k turns" compromise the paper compares
-    against; a turn is a slot in the order, whatever its size in tokens.
+    The "let the oldest run once every k turns" compromise the paper compares against; a
+    turn is one admission, whatever its size in tokens. Turns are counted across steps:
+    the mechanism reports what each step scheduled through :meth:`observe_step`, and the
+    admissions so far (``admitted``) number this step's slots, so with k = 4 the 4th,
+    8th, 12th, ... admission overall is arrival-ordered. Counting slots within one step's
+    order instead would make k-LPM equal to LPM whenever a step admits fewer than k
+    requests, which is the common case at a 2,048-token budget. A mechanism that never
+    calls :meth:`observe_step` gets per-step slot counting.
     """
 
     def __init__(self, k: int = 4) -> None:
@@ -62,6 +67,8 @@ class KLPM:
             raise ValueError(f"k-LPM: k must be >= 1, got {k}")
         self.k = k
         self.name = f"klpm{k}"
+        self.admitted = 0
+        self._offered: frozenset[str] = frozenset()
 
     def order(self, queue: PrefillQueueView, now: float) -> list[str]:
         reqs = queue.requests
@@ -72,7 +79,7 @@ class KLPM:
         out: list[int] = []
         li = oi = 0
         while len(out) < n:
-            if (len(out) + 1) % self.k == 0:
+            if (self.admitted + len(out) + 1) % self.k == 0:
                 while placed[old[oi]]:
                     oi += 1
                 i = old[oi]
@@ -82,7 +89,14 @@ class KLPM:
                 i = lpm[li]
             placed[i] = 1
             out.append(i)
-        return [reqs[i].request_id for i in out]
+        ids = [reqs[i].request_id for i in out]
+        self._offered = frozenset(ids)
+        return ids
+
+    def observe_step(self, scheduled: list[tuple[str, int]], now: float) -> None:
+        """Count this step's admissions: scheduled requests that were waiting when ordered."""
+        self.admitted += sum(1 for rid, _ in scheduled if rid in self._offered)
+        self._offered = frozenset()
 
 
 class RAGCacheOrder:

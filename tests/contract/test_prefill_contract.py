@@ -141,9 +141,29 @@ def test_ragcache_ranks_by_reuse_ratio() -> None:
 def test_klpm_gives_every_kth_slot_to_the_oldest() -> None:
     reqs = [req(f"h{i}", arrival=1.0 + i, cached=1000 - i) for i in range(6)]
     reqs += [req("o1", arrival=0.0), req("o2", arrival=0.5)]
-    out = make_prefill_policy("klpm4").order(queue(*reqs), 10.0)
+    pol = make_prefill_policy("klpm4")
+    out = pol.order(queue(*reqs), 10.0)
     assert out[3] == "o1" and out[7] == "o2"
     assert out[:3] == ["h0", "h1", "h2"]
+
+
+def test_klpm_counts_turns_across_steps() -> None:
+    """One admission per step: the 4th admission overall goes to the oldest request."""
+    pol = make_prefill_policy("klpm4")
+    waiting = [req(f"h{i}", arrival=1.0 + i, cached=1000 - i) for i in range(6)]
+    waiting.append(req("old", arrival=0.0))
+    firsts = []
+    for step in range(4):
+        out = pol.order(queue(*waiting), 10.0 + step)
+        firsts.append(out[0])
+        pol.observe_step([(out[0], 100)], 10.1 + step)  # type: ignore[attr-defined]
+        waiting = [r for r in waiting if r.request_id != out[0]]
+    assert firsts == ["h0", "h1", "h2", "old"]
+    # A request that was already running (not offered this step) is not an admission.
+    pol2 = make_prefill_policy("klpm4")
+    pol2.order(queue(req("a", cached=5)), 0.0)
+    pol2.observe_step([("running-before", 2048), ("a", 10)], 0.1)  # type: ignore[attr-defined]
+    assert pol2.admitted == 1  # type: ignore[attr-defined]
 
 
 def test_preble_rotates_buckets_by_weight() -> None:
