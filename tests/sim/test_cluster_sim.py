@@ -6,21 +6,22 @@ from functools import cache
 
 import pytest
 
-from bench.cluster_sim import simulate_cluster
-from bench.prefill_scenarios import build_scenario
+from bench.cluster_sim import ClusterRun, simulate_cluster
+from bench.prefill_scenarios import Workload, build_scenario
 from bench.prefill_sim import EngineConfig, SimRequest
 from bench.profiles import load_profile
+from controllers.profile import EngineProfile
 
 pytestmark = pytest.mark.slow
 
 
 @cache
-def _work():  # type: ignore[no-untyped-def]
+def _work() -> tuple[EngineProfile, Workload]:
     prof = load_profile("a6000_llama31_8b")
     return prof, build_scenario("sec-spike", seed=0, quick=True, profile=prof)
 
 
-def _run(routing: str, policy: str = "fairway", replicas: int = 4):  # type: ignore[no-untyped-def]
+def _run(routing: str, policy: str = "fairway", replicas: int = 4) -> ClusterRun:
     prof, work = _work()
     reqs = [
         SimRequest(q.request_id, q.arrival_s / replicas, q.prompt_tokens, q.block_hashes, q.labels)
