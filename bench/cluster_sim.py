@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from bench.prefill_sim import (
     BlockCache,
@@ -60,7 +61,7 @@ class ClusterRun:
     work_per_replica: list[int]
     counters: dict[str, int] = field(default_factory=dict)
 
-    def summary(self) -> dict[str, object]:
+    def summary(self) -> dict[str, Any]:
         prompt = sum(f.prompt_tokens for f in self.finished)
         cached = sum(f.cached_tokens for f in self.finished)
         mean_work = sum(self.work_per_replica) / max(1, len(self.work_per_replica))
