@@ -212,6 +212,16 @@ class RedisPrefixIndex:
             n += int(await self._r.scard(self.set_key(r, e)))
         return n
 
+    async def server_stats(self, reset: bool = False) -> dict[str, float]:
+        """Redis's own time per script call (``INFO commandstats``, all scripts, all clients);
+        ``reset`` zeroes the counters first (benchmarks)."""
+        if reset:
+            await self._r.config_resetstat()
+            return {}
+        stats: dict[str, Any] = await self._r.info("commandstats")
+        ev = stats.get("cmdstat_evalsha", {"calls": 0, "usec": 0, "usec_per_call": 0.0})
+        return {k: float(ev[k]) for k in ("calls", "usec", "usec_per_call")}
+
     async def clear_namespace(self) -> int:
         """Delete every key of this namespace (tests, benchmarks); returns how many."""
         n, batch = 0, []
