@@ -1,0 +1,61 @@
+"""``pdserve sim tradeoff``: fairway_xstep's median against worst wait as its share moves."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from pdserve.apps import sim_app
+from pdserve.output import csv_ints, csv_list, table, write_json
+
+
+def _shares(value: str) -> list[float]:
+    try:
+        out = [float(v) for v in csv_list(value)]
+    except ValueError:
+        raise typer.BadParameter(f"expected comma-separated numbers, got {value!r}") from None
+    if any(v < 0 for v in out):
+        raise typer.BadParameter("shares must be >= 0")
+    return out
+
+
+@sim_app.command("tradeoff")
+def sim_tradeoff(
+    scenarios: str = typer.Option(
+        "flood,sec-spike", help="Scenarios, comma-separated (flood runs the first seed only)."
+    ),
+    seeds: str = typer.Option("0,1", help="Workload seeds, comma-separated."),
+    shares: str = typer.Option(
+        "0,0.02,0.05,0.1,0.2,0.5,1,3", help="fairway_xstep bypass_share values, comma-separated."
+    ),
+    profile: str = typer.Option("a6000_llama31_8b", help="Engine profile: shipped name or path."),
+    quick: bool = typer.Option(False, help="Short seeded smoke workloads."),
+    json_out: Path | None = typer.Option(None, "--json", help="Write the points as JSON here."),
+    plot_out: Path | None = typer.Option(None, "--plot", help="Write the trade-off PNG here."),
+    progress: bool = typer.Option(True, help="Show a progress bar."),
+) -> None:
+    """Sweep fairway_xstep's bypass_share beside FCFS, LPM and Fairway. Output is simulated."""
+    from bench.prefill_scenarios import SCENARIOS
+    from bench.profiles import load_profile
+    from bench.xstep_sweep import plot, rows, run_sweep
+
+    names = csv_list(scenarios)
+    unknown = [s for s in names if s not in SCENARIOS]
+    if unknown:
+        raise typer.BadParameter(
+            f"unknown scenarios {unknown}; known: {', '.join(SCENARIOS)}", param_hint="--scenarios"
+        )
+    seed_list = csv_ints(seeds)
+    share_list = _shares(shares)
+    try:
+        prof = load_profile(profile)
+    except (FileNotFoundError, ValueError) as e:
+        raise typer.BadParameter(str(e), param_hint="--profile") from None
+    report = run_sweep(names, seed_list, share_list, prof, quick=quick, progress=progress)
+    typer.echo("fairway_xstep trade-off (simulated)")
+    typer.echo(table(*rows(report)))
+    write_json(json_out, report)
+    if plot_out is not None:
+        plot(plot_out, report)
+        typer.echo(f"wrote {plot_out}")
