@@ -48,6 +48,7 @@ from __future__ import annotations
 import bisect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -69,6 +70,11 @@ class XStepConfig(BaseModel):
         ge=0,
         description="Allowance = bypass_share x (work queued ahead at arrival + own work), "
         "in uncached tokens, for the whole wait: 0 = FCFS, large = Fast lane only.",
+    )
+    fast_score: Literal["fairway", "cached", "reuse"] = Field(
+        default="fairway",
+        description="Fast-lane rank: 'fairway' = reuse_ratio + relative_wait (the paper's), "
+        "'cached' = cached prefix tokens (LPM's), 'reuse' = reuse_ratio alone (RAGCache's).",
     )
     plan_horizon_tokens: int = Field(
         default=16_384,
@@ -197,7 +203,7 @@ def xstep_order(
     for p, i in enumerate(fair):
         e = entries[i]
         room[p] = e.allowance - e.bypass - _younger_sum(fl_ranks, fl_suffix, e.rank)
-    scores = fast_lane_scores(reqs, now, fairway.relative_wait)
+    scores = _fast_scores(reqs, now, config, fairway)
     fast = sorted(range(n), key=lambda i: (-scores[i], pos[i]))
     order, lanes, counters = _merge(fast, fair, pos, [e.work for e in entries], room.copy(), config)
     c = state.counters
@@ -213,6 +219,16 @@ def xstep_order(
         {reqs[i].request_id: float(room[pos[i]]) for i in range(n)},
     )
     return new_state, plan
+
+
+def _fast_scores(
+    reqs: tuple[PrefillRequestView, ...], now: float, config: XStepConfig, fw: FairwayConfig
+) -> list[float]:
+    if config.fast_score == "cached":
+        return [float(r.cached_tokens) for r in reqs]
+    if config.fast_score == "reuse":
+        return [r.cached_tokens / r.work for r in reqs]
+    return fast_lane_scores(reqs, now, fw.relative_wait)
 
 
 def _merge(

@@ -243,3 +243,21 @@ def test_bound_holds_across_steps_in_a_budget_loop(
     assert not waiting and not running and i == len(reqs)
     for rid, y in youngest_ahead.items():
         assert y <= allowance[rid] + 1e-6, (rid, y, allowance[rid])
+
+
+@pytest.mark.parametrize(("fast_score", "same_as"), [("cached", "lpm"), ("reuse", "ragcache")])
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 30), st.integers(0, 10_000))
+def test_fast_score_options_rank_like_their_baselines(
+    fast_score: str, same_as: str, n: int, seed: int
+) -> None:
+    """With an unbounded share the Fast lane alone orders: LPM's or RAGCache's rank."""
+    q = queue(*_random_reqs(random.Random(seed), n))
+    cfg = XStepConfig.model_validate(
+        {"bypass_share": 1e12, "plan_horizon_tokens": 10**9, "fast_score": fast_score}
+    )
+    _, plan = xstep_order(XStepState(), q, 12.0, cfg, FW)
+    assert plan.order == make_prefill_policy(same_as).order(q, 12.0)
+    # The allowance still binds with a finite share: share 0 is FCFS whatever the rank.
+    _, plan0 = xstep_order(XStepState(), q, 12.0, cfg.model_copy(update={"bypass_share": 0}), FW)
+    assert plan0.order == make_prefill_policy("fcfs").order(q, 12.0)
