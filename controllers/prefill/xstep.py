@@ -12,7 +12,9 @@ Quantities, per request ``r`` (first seen by :func:`xstep_order` at ``t0_r``):
 
 - ``ahead_r``: the uncached work queued ahead of ``r`` at ``t0_r`` (older waiting requests,
   plus the unfinished work of requests in flight): what FCFS would still do before ``r``.
-- ``allowance_r = bypass_share * (ahead_r + c_r)``: fixed at ``t0_r``.
+- ``allowance_r = share_r * (ahead_r + c_r)``, fixed at ``t0_r``, with ``share_r =
+  bypass_share + cached_share * h_r / prompt_r`` (``cached_share = 0`` by default: one share
+  for all; above 0, misses keep the strict share and cached requests may be passed more).
 - ``bypass_r``: uncached tokens scheduled for requests *younger* than ``r`` while ``r``
   waited (learned from :func:`xstep_observe`, i.e. what the engine actually ran).
 - ``committed_r = bypass_r + `` the remaining work of younger requests already in flight.
@@ -26,7 +28,7 @@ passes nobody), so a step costs O(placements x queue) at most.
 
 Guarantee (property-tested, the analogue of the paper's quarter-plus-overshoot bound):
 for every request ``r``, the uncached work of younger requests scheduled while ``r`` waits
-never exceeds ``allowance_r = bypass_share * (ahead_r + c_r)``, summed over *all* the
+never exceeds ``allowance_r = share_r * (ahead_r + c_r)``, summed over *all* the
 steps of its wait, with no overshoot term. In every order, the younger work placed ahead of
 ``r`` is at most ``max(0, allowance_r - committed_r)``. The one slack is the mechanism's:
 if eviction raises a request's uncached work between the view and its admission, the
@@ -70,6 +72,13 @@ class XStepConfig(BaseModel):
         ge=0,
         description="Allowance = bypass_share x (work queued ahead at arrival + own work), "
         "in uncached tokens, for the whole wait: 0 = FCFS, large = Fast lane only.",
+    )
+    cached_share: float = Field(
+        default=0.0,
+        ge=0,
+        description="Extra share for cached requests: allowance = (bypass_share + cached_share"
+        " x cached_tokens / prompt_tokens) x (ahead + own work), so misses keep the strict "
+        "bound and hits may be passed more (0 = one share for all).",
     )
     fast_score: Literal["fairway", "cached", "reuse"] = Field(
         default="fairway",
@@ -145,8 +154,15 @@ def _suffix(items: Sequence[tuple[Rank, float]]) -> tuple[list[Rank], list[float
     return ranks, suf
 
 
+def _share(r: PrefillRequestView, config: XStepConfig) -> float:
+    if config.cached_share == 0.0:
+        return config.bypass_share
+    frac = min(1.0, r.cached_tokens / r.prompt_tokens) if r.prompt_tokens > 0 else 0.0
+    return config.bypass_share + config.cached_share * frac
+
+
 def _entries(
-    state: XStepState, reqs: tuple[PrefillRequestView, ...], share: float
+    state: XStepState, reqs: tuple[PrefillRequestView, ...], config: XStepConfig
 ) -> tuple[list[XStepEntry], int]:
     """Entries for the view in view order: known ones kept, new ones ranked and allotted."""
     seq = state.seq
@@ -169,7 +185,7 @@ def _entries(
         if known is not None:
             out[i] = replace(known, work=work)
         else:
-            out[i] = XStepEntry(ranks[i], share * (ahead + work), 0.0, work)
+            out[i] = XStepEntry(ranks[i], _share(r, config) * (ahead + work), 0.0, work)
         ahead += work
     return [e for e in out if e is not None], seq
 
@@ -188,7 +204,7 @@ def xstep_order(
     """
     reqs = queue.requests
     n = len(reqs)
-    entries, seq = _entries(state, reqs, config.bypass_share)
+    entries, seq = _entries(state, reqs, config)
     new_state = replace(
         state, seq=seq, waiting={r.request_id: e for r, e in zip(reqs, entries, strict=True)}
     )

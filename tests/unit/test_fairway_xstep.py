@@ -261,3 +261,18 @@ def test_fast_score_options_rank_like_their_baselines(
     # The allowance still binds with a finite share: share 0 is FCFS whatever the rank.
     _, plan0 = xstep_order(XStepState(), q, 12.0, cfg.model_copy(update={"bypass_share": 0}), FW)
     assert plan0.order == make_prefill_policy("fcfs").order(q, 12.0)
+
+
+def test_cached_share_loosens_only_cached_requests() -> None:
+    """share_r = bypass_share + cached_share x h/prompt: the miss keeps 0.1, the hit gets
+    0.1 + 2 x 0.9 = 1.9 of (ahead + own work)."""
+    q = queue(
+        req("miss", arrival=0.0, cached=0, uncached=1000),
+        req("hit", arrival=1.0, cached=900, uncached=100),
+    )
+    cfg = XStepConfig(bypass_share=0.1, cached_share=2.0)
+    state, _ = xstep_order(XStepState(), q, 2.0, cfg, FW)
+    assert state.waiting["miss"].allowance == pytest.approx(0.1 * 1000)
+    assert state.waiting["hit"].allowance == pytest.approx(1.9 * (1000 + 100))
+    with pytest.raises(ValidationError, match="cached_share"):
+        XStepConfig(cached_share=-1)
