@@ -57,10 +57,16 @@ def sweep_workload(
     profile: EngineProfile,
     *,
     fairway_config: FairwayConfig | None = None,
+    base: XStepConfig | None = None,
     bar: Any = None,
 ) -> dict[str, Any]:
-    """Run the references and every share on ``work``; return its points (simulated)."""
+    """Run the references and every share on ``work``; return its points (simulated).
+
+    ``base``: the variant's other settings (``fast_score``, ``cached_share``...); only
+    ``bypass_share`` moves.
+    """
     fw = fairway_config or FairwayConfig()
+    xs = base or XStepConfig()
     cfg = EngineConfig(token_budget=profile.token_budget, block_size=work.block_size)
     med_key, worst_key = point_keys(work)
     reps: dict[str, dict[str, Any]] = {}
@@ -70,7 +76,7 @@ def sweep_workload(
         if share is None:
             pol = make_prefill_policy(name, profile, fw)
         else:
-            pol = FairwayXStep(XStepConfig(bypass_share=share), fw, name=name)
+            pol = FairwayXStep(xs.model_copy(update={"bypass_share": share}), fw, name=name)
         if bar is not None:
             bar.set_postfix_str(f"{work.name} {name}")
         res = simulate(
@@ -112,15 +118,24 @@ def run_sweep(
     *,
     quick: bool = False,
     progress: bool = True,
+    base: XStepConfig | None = None,
 ) -> dict[str, Any]:
     """The sweep over ``scenarios x seeds`` (``flood`` runs seed ``seeds[0]`` only)."""
+    xs = base or XStepConfig()
     cells = [(s, d) for s in scenarios for d in (seeds[:1] if s == "flood" else seeds)]
     total = len(cells) * (len(REFERENCES) + len(shares))
-    out: dict[str, Any] = {"simulated": True, "shares": list(shares), "scenarios": {}}
+    out: dict[str, Any] = {
+        "simulated": True,
+        "shares": list(shares),
+        "variant": xs.model_dump(exclude={"bypass_share"}),
+        "scenarios": {},
+    }
     with tqdm(total=total, desc="trade-off sweep (simulated)", disable=not progress) as bar:
         for name, seed in cells:
             work = build_scenario(name, seed=seed, quick=quick, profile=profile)
-            out["scenarios"][f"{name}/s{seed}"] = sweep_workload(work, shares, profile, bar=bar)
+            out["scenarios"][f"{name}/s{seed}"] = sweep_workload(
+                work, shares, profile, base=xs, bar=bar
+            )
     return out
 
 
@@ -194,7 +209,11 @@ def plot(path: Path, report: dict[str, Any]) -> None:
         ax.set_title(cell, fontsize=9)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle("fairway_xstep trade-off: median vs worst wait as bypass_share moves (simulated)")
+    v = report.get("variant", {})
+    extra = ", ".join(f"{k}={v[k]}" for k in ("fast_score", "cached_share") if k in v)
+    fig.suptitle(
+        f"fairway_xstep ({extra}) trade-off: median vs worst wait as bypass_share moves (simulated)"
+    )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

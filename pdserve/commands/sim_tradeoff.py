@@ -29,6 +29,12 @@ def sim_tradeoff(
     shares: str = typer.Option(
         "0,0.02,0.05,0.1,0.2,0.5,1,3", help="fairway_xstep bypass_share values, comma-separated."
     ),
+    fast_score: str = typer.Option(
+        "fairway", help="Fast-lane rank of the variant: fairway | cached | reuse."
+    ),
+    cached_share: float = typer.Option(
+        0.0, min=0.0, help="Extra share for cached requests (held fixed while the share moves)."
+    ),
     profile: str = typer.Option("a6000_llama31_8b", help="Engine profile: shipped name or path."),
     quick: bool = typer.Option(False, help="Short seeded smoke workloads."),
     json_out: Path | None = typer.Option(None, "--json", help="Write the points as JSON here."),
@@ -39,6 +45,7 @@ def sim_tradeoff(
     from bench.prefill_scenarios import SCENARIOS
     from bench.profiles import load_profile
     from bench.xstep_sweep import plot, rows, run_sweep
+    from controllers.prefill.xstep import XStepConfig
 
     names = csv_list(scenarios)
     unknown = [s for s in names if s not in SCENARIOS]
@@ -52,7 +59,12 @@ def sim_tradeoff(
         prof = load_profile(profile)
     except (FileNotFoundError, ValueError) as e:
         raise typer.BadParameter(str(e), param_hint="--profile") from None
-    report = run_sweep(names, seed_list, share_list, prof, quick=quick, progress=progress)
+    if fast_score not in ("fairway", "cached", "reuse"):
+        raise typer.BadParameter("must be fairway, cached or reuse", param_hint="--fast-score")
+    base = XStepConfig.model_validate({"fast_score": fast_score, "cached_share": cached_share})
+    report = run_sweep(
+        names, seed_list, share_list, prof, quick=quick, progress=progress, base=base
+    )
     typer.echo("fairway_xstep trade-off (simulated)")
     typer.echo(table(*rows(report)))
     write_json(json_out, report)

@@ -125,6 +125,7 @@ def test_tradeoff_command_writes_points_json_and_plot(tmp_path: Path) -> None:
     for k in ("median_s", "worst_s", "p99_s", "targets_met"):  # share 0 is FCFS
         assert pts["fairway_xstep@0"][k] == pts["fcfs"][k]
     assert png.stat().st_size > 10_000
+    assert data["variant"]["fast_score"] == "fairway"
 
 
 @pytest.mark.parametrize(
@@ -134,6 +135,7 @@ def test_tradeoff_command_writes_points_json_and_plot(tmp_path: Path) -> None:
         (["--shares", "a"], "comma-separated numbers"),
         (["--scenarios", "nope"], "unknown scenarios"),
         (["--seeds", "x"], "comma-separated integers"),
+        (["--fast-score", "lifo"], "fairway, cached or reuse"),
     ],
 )
 def test_tradeoff_bad_input_is_a_clear_error(args: list[str], hint: str) -> None:
