@@ -1,0 +1,97 @@
+"""The Serve application: ``deployments.app:build_app`` (the ``import_path`` of configs/*.yaml).
+
+``build_app(args)`` validates ``args`` into :class:`deployments.config.AppConfig` (a bad config
+fails here, at deploy time, with the field named), builds the model when it is missing and the
+config allows, and binds three deployments: ``prefill`` and ``decode`` (one
+:class:`~deployments.engine.EngineReplica` each, with the config's fractional ``num_cpus``) and
+the FastAPI ``ingress``.
+"""
+
+from __future__ import annotations
+
+import fcntl
+from typing import Any
+
+from fastapi import Request
+from ray import serve
+from ray.serve import Application
+
+from deployments.config import AppConfig, load_app_config
+from deployments.engine import EngineReplica
+from deployments.ingress import IngressCore, api
+from deployments.openai_api import ChatCompletionRequest, CompletionRequest
+
+
+@serve.deployment(name="ingress")
+@serve.ingress(api)
+class Ingress:
+    """FastAPI ingress; see :mod:`deployments.ingress`."""
+
+    def __init__(self, config: dict[str, Any], prefill: Any, decode: Any) -> None:
+        self.core = IngressCore(config, prefill, decode)
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request, body: CompletionRequest) -> Any:
+        return await self.core.complete(request, body)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request, body: ChatCompletionRequest) -> Any:
+        return await self.core.complete(request, body)
+
+    @api.get("/v1/models")
+    async def models(self) -> Any:
+        return self.core.models()
+
+    @api.get("/health")
+    async def health(self) -> Any:
+        return await self.core.health()
+
+    @api.get("/v1/pdserve/stats")
+    async def stats(self) -> Any:
+        return await self.core.stats()
+
+
+Engine = serve.deployment(EngineReplica, name="engine")
+
+
+def ensure_model(cfg: AppConfig) -> None:
+    """Build ``cfg.model`` into its folder when missing and ``build_preset`` allows.
+
+    Serialised with a file lock, so concurrent deploys build it once. A missing model with
+    ``build_preset: null`` is a ``FileNotFoundError`` naming ``model.path``.
+    """
+    path = cfg.model.resolved_path()
+    if (path / "config.json").exists():
+        return
+    if cfg.model.build_preset is None:
+        raise FileNotFoundError(
+            f"model.path: {path} has no config.json and model.build_preset is null"
+        )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.parent / f".{path.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (path / "config.json").exists():
+            from engines.model_builder import build_model
+
+            build_model(path, cfg.model.build_preset, cfg.model.build_seed)
+
+
+def build_app(args: dict[str, Any] | None = None) -> Application:
+    """The PD application for ``args`` (a Serve YAML's ``args``; see ``AppConfig``)."""
+    cfg = load_app_config(args or {})
+    ensure_model(cfg)
+    d = cfg.model_dump(mode="json")
+    engines = {}
+    for role in ("prefill", "decode"):
+        e = cfg.engine(role)  # type: ignore[arg-type]
+        engines[role] = Engine.options(
+            name=role,
+            num_replicas=1,
+            max_ongoing_requests=e.max_ongoing_requests,
+            ray_actor_options={"num_cpus": e.num_cpus},
+            health_check_timeout_s=60,
+        ).bind(d, role)
+    return Ingress.options(
+        max_ongoing_requests=cfg.ingress.max_ongoing_requests,
+        ray_actor_options={"num_cpus": cfg.ingress.num_cpus},
+    ).bind(d, engines["prefill"], engines["decode"])

@@ -1,0 +1,98 @@
+"""The project's NIXL KV connector: vLLM's pull-mode ``NixlConnector`` without NIXL's busy-spinning
+progress thread.
+
+vLLM's NIXL worker builds its agent with ``nixl_agent_config(num_threads=..., capture_telemetry=True)``
+and never passes ``enable_prog_thread``; NIXL's default starts one progress thread per agent that
+polls with a zero delay, so every idle engine spins a core at 100%. vLLM has no setting for it, so
+this module is loaded by vLLM instead of its own connector::
+
+    kv_transfer_config = {
+        "kv_connector": "NixlConnector",
+        "kv_connector_module_path": "engines.nixl_connector",
+        "kv_role": "kv_producer",            # or "kv_consumer"
+        "kv_buffer_device": "cpu",
+        "kv_connector_extra_config": {"nixl_progress_thread": False},  # the default
+    }
+
+The class keeps the name ``NixlConnector`` so vLLM's NIXL-specific checks (which compare the
+connector's name) still apply. After the stock worker initialisation, and before any memory is
+registered, the worker's agent is replaced by one built with ``enable_prog_thread=False`` and a
+thread-safe sync mode (vLLM calls the agent from its handshake thread as well as the engine
+thread). Without the progress thread, NIXL makes progress when vLLM polls transfer state and
+notifications, which it does every engine step. Nothing installed is patched.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector
+from vllm.logger import init_logger
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+logger = init_logger(__name__)
+
+#: ``kv_connector_extra_config`` key: ``True`` keeps NIXL's own progress thread (vLLM's stock
+#: behaviour, for before/after measurements); ``False`` (the default) turns it off.
+PROGRESS_THREAD_KEY = "nixl_progress_thread"
+
+
+def agent_config_without_progress_thread(
+    num_threads: int, backends: list[str], capture_telemetry: bool = True
+) -> Any:
+    """A ``nixl_agent_config`` equal to vLLM's, but with the progress thread off and a
+    thread-safe sync mode (``NIXL_THREAD_SYNC_STRICT``)."""
+    from nixl._api import nixl_agent_config, nixl_thread_sync_t
+
+    non_ucx = [b for b in backends if b != "UCX"]
+    kwargs: dict[str, Any] = {
+        "enable_prog_thread": False,
+        "capture_telemetry": capture_telemetry,
+        "sync_mode": nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
+    }
+    # Mirror vLLM: a backend list only when it names non-UCX backends, else UCX with num_threads.
+    if non_ucx:
+        kwargs["backends"] = backends
+    else:
+        kwargs["num_threads"] = num_threads
+    return nixl_agent_config(**kwargs)
+
+
+def rebuild_agent_without_progress_thread(worker: Any) -> None:
+    """Replace ``worker.nixl_wrapper`` (a fresh agent, nothing registered yet) by an agent of the
+    same name built without a progress thread. The old agent is dropped first, which joins its
+    thread."""
+    from nixl._api import nixl_agent
+
+    name: str = worker.nixl_wrapper.name
+    num_threads = int(worker.kv_transfer_config.get_from_extra_config("num_threads", 4))
+    config = agent_config_without_progress_thread(num_threads, list(worker.nixl_backends))
+    worker.nixl_wrapper = None  # release the stock agent (and its spinning thread) first
+    worker.nixl_wrapper = nixl_agent(name, config)
+    logger.info("pdserve: NIXL agent %s rebuilt without its progress thread", name)
+
+
+class NixlConnector(NixlPullConnector):
+    """vLLM's pull-mode NIXL connector whose worker's agent has no progress thread.
+
+    Contract: identical to vLLM's ``NixlConnector`` (roles ``kv_producer`` / ``kv_consumer``,
+    ``kv_transfer_params`` in and out); only the agent's threading differs. Set
+    ``kv_connector_extra_config["nixl_progress_thread"] = True`` to keep the stock thread.
+    """
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig,
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        ktc = vllm_config.kv_transfer_config
+        assert ktc is not None
+        keep_thread = bool(ktc.get_from_extra_config(PROGRESS_THREAD_KEY, False))
+        if role == KVConnectorRole.WORKER and self.connector_worker is not None and not keep_thread:
+            rebuild_agent_without_progress_thread(self.connector_worker)
