@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import typer
 
 from pdserve.apps import sim_app
 from pdserve.output import csv_list, table, write_json
+
+if TYPE_CHECKING:
+    from controllers.decode import TWPConfig
 
 
 @sim_app.command("decode")
@@ -39,6 +42,9 @@ def decode(
     l_bar: int = typer.Option(50, min=1, help="TWP's expected mean output L_bar (paper: 50)."),
     warm: int = typer.Option(
         1, min=0, help="Containers warm at t = 0 (of 4); 4 isolates admission from cold starts."
+    ),
+    twp_set: str = typer.Option(
+        "", "--twp", help="TWP settings to override, e.g. 'H_max=400,survival_l_hat=true'."
     ),
     quick: bool = typer.Option(False, help="20 s of arrivals and at most 2 runs."),
     json_out: Path | None = typer.Option(None, "--json", help="Write results as JSON here."),
@@ -84,6 +90,7 @@ def decode(
             f"unknown scenario {scenario!r}; known: paper, low, medium, high, burst",
             param_hint="--scenario",
         )
+    twp_cfg = _twp_config(twp_set)
     m: Literal["colocated", "pd"] = "pd" if mode == "pd" else "colocated"
     exp = Experiment(
         scenario=scenario or "trace",
@@ -98,8 +105,13 @@ def decode(
         max_requests=max_requests,
     )
     result, raw = run_experiment(
-        prof, exp, DecodeSimConfig(mode=m, L_bar=l_bar, pool=PoolConfig(warm_at_start=warm))
+        prof,
+        exp,
+        DecodeSimConfig(mode=m, L_bar=l_bar, pool=PoolConfig(warm_at_start=warm)),
+        twp_cfg,
     )
+    result["l_bar"] = l_bar
+    result["twp_overrides"] = twp_set
     rate = result["rate_rps"]
     sat = result["fcfs_saturated_rps"]
     typer.echo(
@@ -116,3 +128,23 @@ def decode(
         plot_out.parent.mkdir(parents=True, exist_ok=True)
         plot(result, raw, str(plot_out))
         typer.echo(f"wrote {plot_out}")
+
+
+def _twp_config(spec: str) -> TWPConfig | None:
+    """``key=value,...`` into a validated TWPConfig (errors name the field)."""
+    from pydantic import ValidationError
+
+    from controllers.decode import TWPConfig
+
+    if not spec.strip():
+        return None
+    values: dict[str, str] = {}
+    for item in spec.split(","):
+        key, sep, val = item.partition("=")
+        if not sep or not key.strip():
+            raise typer.BadParameter(f"expected key=value, got {item!r}", param_hint="--twp")
+        values[key.strip()] = val.strip()
+    try:
+        return TWPConfig.model_validate(values)
+    except ValidationError as e:
+        raise typer.BadParameter(str(e), param_hint="--twp") from None

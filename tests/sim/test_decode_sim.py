@@ -155,3 +155,14 @@ def test_cli_rejects_bad_input_naming_the_option() -> None:
     assert r.exit_code != 0 and "--policies" in r.output
     r = CliRunner().invoke(app, ["sim", "decode"])
     assert r.exit_code != 0 and "--scenario" in r.output
+
+
+def test_cli_twp_overrides_are_validated() -> None:
+    from pdserve.cli import app
+
+    r = CliRunner().invoke(
+        app, ["sim", "decode", "--scenario", "low", "--quick", "--twp", "gamma=7"]
+    )
+    assert r.exit_code != 0 and "--twp" in r.output and "gamma" in r.output
+    r = CliRunner().invoke(app, ["sim", "decode", "--scenario", "low", "--twp", "oops"])
+    assert r.exit_code != 0 and "key=value" in r.output
