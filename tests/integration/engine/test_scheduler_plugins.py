@@ -199,3 +199,27 @@ def test_no_request_starves_in_a_long_mixed_run(pd_engine: PdEngine) -> None:
     for m in misses[:-2]:
         assert run.scheduled_ts(m) < last_hit_queued, f"{m} waited for the hit burst to end"
     assert max(r.waiting for r in sched.records) > 2
+
+
+def test_state_is_published_on_the_named_channel(pd_engine: PdEngine, tmp_path: Any) -> None:
+    from engines.state_channel import StateReader
+
+    endpoint = f"ipc://{tmp_path}/engine.state"
+    pd_engine.configure(prefill_policy="fairway", gate="twp", channel=endpoint, engine_name="e0")
+    reader = StateReader(endpoint)
+    try:
+        rng = random.Random(8)
+        for i in range(6):
+            pd_engine.add(f"c{i}", _tokens(rng, 300), max_tokens=16)
+        got = None
+        while pd_engine.llm.llm_engine.has_unfinished_requests():
+            pd_engine.step()
+            got = reader.latest(timeout_s=0.05) or got
+        got = reader.latest(timeout_s=0.5) or got
+        assert got is not None and got["engine"] == "e0"
+        assert got["prefill_policy"] == "fairway" and got["gate"] == "twp"
+        assert got["window_tokens"] > 0 and got["step_ms"] > 0
+        assert set(got["lanes"]) == {"fast", "fair"}
+    finally:
+        reader.close()
+        pd_engine.configure(prefill_policy="fcfs")  # closes the channel
