@@ -8,7 +8,7 @@ from controllers.config import FairwayConfig
 from controllers.prefill.base import PrefillPolicy
 from controllers.prefill.baselines import FCFS, KLPM, LPM, PeekLike, PrebleLike, RAGCacheOrder
 from controllers.prefill.fairway import Fairway
-from controllers.prefill.xstep import FairwayXStep
+from controllers.prefill.xstep import FairwayXStep, XStepConfig
 from controllers.profile import EngineProfile
 
 Factory = Callable[[EngineProfile | None, FairwayConfig], PrefillPolicy]
@@ -36,6 +36,11 @@ _FACTORIES: dict[str, Factory] = {
         c.model_copy(update={"relative_wait": False, "fair_lane": False})
     ),
     "fairway_xstep": lambda p, c: FairwayXStep(fairway=c),
+    "fairway_xstep_reuse": lambda p, c: FairwayXStep(
+        XStepConfig(bypass_share=0.08, cached_share=10.0, fast_score="reuse"),
+        fairway=c,
+        name="fairway_xstep_reuse",
+    ),
 }
 
 

@@ -68,7 +68,7 @@ class XStepConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     bypass_share: float = Field(
-        default=0.1,
+        default=0.08,
         ge=0,
         description="Allowance = bypass_share x (work queued ahead at arrival + own work), "
         "in uncached tokens, for the whole wait: 0 = FCFS, large = Fast lane only.",

@@ -44,7 +44,10 @@ def _random_reqs(rng: random.Random, n: int, t_max: float = 10.0) -> list:
 def test_registered_and_named() -> None:
     pol = make_prefill_policy("fairway_xstep")
     assert isinstance(pol, FairwayXStep) and pol.name == "fairway_xstep"
-    assert pol.config.bypass_share == 0.1
+    assert pol.config.bypass_share == 0.08
+    reuse = make_prefill_policy("fairway_xstep_reuse")
+    assert isinstance(reuse, FairwayXStep) and reuse.name == "fairway_xstep_reuse"
+    assert (reuse.config.fast_score, reuse.config.cached_share) == ("reuse", 10.0)
 
 
 def test_config_errors_name_the_field() -> None:
