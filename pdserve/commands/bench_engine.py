@@ -16,8 +16,11 @@ def engine(
     model: Path = typer.Option(
         ..., "--model", help="Model folder (`pdserve make-model --preset bench`)."
     ),
-    profile: str = typer.Option(
-        ..., "--profile", help="Engine profile JSON measured by `pdserve profile` on this model."
+    profile: str | None = typer.Option(
+        None,
+        "--profile",
+        help="Engine profile JSON for patience and the calibration; default: measured on the "
+        "same engine just before the spike (same machine load).",
     ),
     policies: str = typer.Option("fcfs,lpm,fairway", help="Prefill policies, comma-separated."),
     requests: int = typer.Option(32, "--requests", min=2, help="Requests in the spike."),
@@ -43,8 +46,8 @@ def engine(
             f"unknown policies {unknown}; known: {prefill_policy_names()}", param_hint="--policies"
         )
     sizes = csv_ints(overhead)
-    prof = load_profile(profile)
-    bar = tqdm(total=len(names) + len(sizes), desc="bench engine")
+    prof = load_profile(profile) if profile else None
+    bar = tqdm(total=len(names) + len(sizes) + (0 if profile else 1), desc="bench engine")
 
     def step(msg: str) -> None:
         bar.update(1)
