@@ -35,6 +35,11 @@ if eviction raises a request's uncached work between the view and its admission,
 extra tokens count in ``bypass_r`` after the fact. ``bypass_share = 0`` is FCFS;
 ``bypass_share -> inf`` is Fairway's Fast lane alone (``fairway_nofair``).
 
+Registered names: ``fairway_xstep`` (the paper's Fast-lane score, one share 0.08 for all)
+and ``fairway_xstep_reuse`` (Fast lane by reuse ratio alone, ``bypass_share`` 0.08 for
+misses, ``cached_share`` 10 so near-full hits may be passed freely among themselves; the
+wait term is not needed against starvation once every miss's allowance is bounded).
+
 Without :func:`xstep_observe` (a mechanism that never reports steps) nothing is charged
 across steps and only the in-order accounting remains.
 
