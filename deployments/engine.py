@@ -116,7 +116,7 @@ class InProcessEngine:
         self.engine = LLMEngine.from_engine_args(
             EngineArgs(**engine_args), stat_loggers=stat_loggers
         )
-        self.scheduler = self.engine.engine_core.engine_core.scheduler
+        self.scheduler = self.engine.engine_core.engine_core.scheduler  # type: ignore[attr-defined]
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = False
@@ -168,7 +168,7 @@ class InProcessEngine:
         def add() -> None:
             self._sinks[request_id] = sink
             try:
-                internal = self.engine.add_request(request_id, prompt, params)
+                internal = self.engine.add_request(request_id, prompt, params)  # type: ignore[arg-type]
             except Exception as e:  # bad request: report to the caller, keep the engine
                 self._sinks.pop(request_id, None)
                 sink(e)

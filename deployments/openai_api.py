@@ -41,8 +41,8 @@ class RequestError(ValueError):
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    include_usage: bool = Field(False, description="Send a last chunk with usage.")
-    continuous_usage_stats: bool = Field(False, description="vLLM extension; ignored.")
+    include_usage: bool = Field(default=False, description="Send a last chunk with usage.")
+    continuous_usage_stats: bool = Field(default=False, description="vLLM extension; ignored.")
 
 
 class ChatMessage(BaseModel):
@@ -51,7 +51,7 @@ class ChatMessage(BaseModel):
         description="Author of the message."
     )
     content: str | list[dict[str, Any]] | None = Field(description="Text, or text parts.")
-    name: str | None = Field(None, description="Optional author name.")
+    name: str | None = Field(default=None, description="Optional author name.")
 
     def text(self) -> str:
         """The message's text; non-text parts are refused."""
@@ -76,43 +76,45 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str = Field(description="Served model name.")
-    max_tokens: int | None = Field(None, ge=1, description="Most output tokens.")
-    temperature: float = Field(1.0, ge=0.0, le=2.0, description="Sampling temperature.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
-    seed: int | None = Field(None, description="Sampling seed.")
-    stop: str | list[str] | None = Field(None, description="Up to 4 stop strings.")
-    stream: bool = Field(False, description="Stream server-sent events.")
-    stream_options: StreamOptions | None = Field(None, description="Streaming options.")
-    n: int = Field(1, ge=1, description="Choices per prompt (the PD path serves 1).")
-    user: str | None = Field(None, description="End-user id (recorded, not used).")
-    ignore_eos: bool = Field(False, description="vLLM extension: run to max_tokens.")
+    max_tokens: int | None = Field(default=None, ge=1, description="Most output tokens.")
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0, description="Sampling temperature.")
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    seed: int | None = Field(default=None, description="Sampling seed.")
+    stop: str | list[str] | None = Field(default=None, description="Up to 4 stop strings.")
+    stream: bool = Field(default=False, description="Stream server-sent events.")
+    stream_options: StreamOptions | None = Field(default=None, description="Streaming options.")
+    n: int = Field(default=1, ge=1, description="Choices per prompt (the PD path serves 1).")
+    user: str | None = Field(default=None, description="End-user id (recorded, not used).")
+    ignore_eos: bool = Field(default=False, description="vLLM extension: run to max_tokens.")
     # OpenAI fields the PD path cannot honour: accepted by the schema so the refusal is a
     # precise 400 rather than "unknown field".
-    logprobs: Any = Field(None, description="Unsupported on the PD path.")
-    top_logprobs: Any = Field(None, description="Unsupported on the PD path.")
-    presence_penalty: float = Field(0.0, description="Unsupported unless 0.")
-    frequency_penalty: float = Field(0.0, description="Unsupported unless 0.")
-    logit_bias: dict[str, float] | None = Field(None, description="Unsupported on the PD path.")
+    logprobs: Any = Field(default=None, description="Unsupported on the PD path.")
+    top_logprobs: Any = Field(default=None, description="Unsupported on the PD path.")
+    presence_penalty: float = Field(default=0.0, description="Unsupported unless 0.")
+    frequency_penalty: float = Field(default=0.0, description="Unsupported unless 0.")
+    logit_bias: dict[str, float] | None = Field(
+        default=None, description="Unsupported on the PD path."
+    )
 
 
 class CompletionRequest(_Common):
     """``POST /v1/completions``."""
 
     prompt: str | list[str] | list[int] = Field(description="One prompt: text or token ids.")
-    echo: bool = Field(False, description="Unsupported on the PD path.")
-    best_of: int | None = Field(None, description="Unsupported on the PD path.")
-    suffix: str | None = Field(None, description="Unsupported on the PD path.")
+    echo: bool = Field(default=False, description="Unsupported on the PD path.")
+    best_of: int | None = Field(default=None, description="Unsupported on the PD path.")
+    suffix: str | None = Field(default=None, description="Unsupported on the PD path.")
 
 
 class ChatCompletionRequest(_Common):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1, description="The conversation.")
-    max_completion_tokens: int | None = Field(None, ge=1, description="Most output tokens.")
-    tools: Any = Field(None, description="Unsupported on the PD path.")
-    tool_choice: Any = Field(None, description="Unsupported on the PD path.")
-    response_format: Any = Field(None, description="Unsupported on the PD path.")
-    parallel_tool_calls: Any = Field(None, description="Unsupported on the PD path.")
+    max_completion_tokens: int | None = Field(default=None, ge=1, description="Most output tokens.")
+    tools: Any = Field(default=None, description="Unsupported on the PD path.")
+    tool_choice: Any = Field(default=None, description="Unsupported on the PD path.")
+    response_format: Any = Field(default=None, description="Unsupported on the PD path.")
+    parallel_tool_calls: Any = Field(default=None, description="Unsupported on the PD path.")
 
 
 #: field -> (is it set to something we cannot honour?, why).
