@@ -21,7 +21,7 @@ from typing import Any
 
 import typer
 
-from pdserve.apps import app
+from pdserve.apps import app, bench_app
 
 DEFAULT_CONFIG = Path("configs/pd_default.yaml")
 
@@ -127,3 +127,44 @@ def down(
         if not keep_ray:
             subprocess.run([_bin("ray"), "stop"], env=env, timeout=120, check=False)
     typer.echo("pdserve: down")
+
+
+@bench_app.command("pd")
+def bench_pd(
+    url: str = typer.Option("http://127.0.0.1:8000", help="Base URL of the running app."),
+    requests: int = typer.Option(20, min=2, help="Sequential requests per path."),
+    prompt_words: int = typer.Option(400, min=1, help="Words per prompt (~2 tokens each)."),
+    max_tokens: int = typer.Option(32, min=2, help="Output tokens per request."),
+    idle_s: float = typer.Option(10.0, min=1, help="Idle-CPU sampling window (s)."),
+    api_key: str | None = typer.Option(None, help="API key, when the app requires one."),
+    json_out: Path | None = typer.Option(None, "--json", help="Write the results as JSON here."),
+) -> None:
+    """Idle CPU, PD-path vs single-engine TTFT/ITL, and ingress overhead of a running app."""
+    from deployments.measure import run
+    from pdserve.output import table, write_json
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    res = run(
+        url,
+        requests=requests,
+        prompt_words=prompt_words,
+        max_tokens=max_tokens,
+        idle_s=idle_s,
+        key=api_key,
+    )
+    rows = []
+    for path, cols in res["paths"].items():
+        rows.append(
+            [
+                path,
+                *(
+                    f"{cols[k]['p50'] * 1e3:.1f} / {cols[k]['p99'] * 1e3:.1f}"
+                    for k in ("ttft_s", "itl_s", "e2e_s")
+                ),
+            ]
+        )
+    o = res["ingress_overhead_s"]
+    rows.append(["ingress overhead", "", "", f"{o['p50'] * 1e3:.1f} / {o['p99'] * 1e3:.1f}"])
+    typer.echo(table(["path", "TTFT ms p50/p99", "ITL ms p50/p99", "e2e ms p50/p99"], rows))
+    typer.echo(f"idle CPU (% of a core): total {res['idle_cpu_percent']['total']}")
+    write_json(json_out, res)

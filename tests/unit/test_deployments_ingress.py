@@ -1,0 +1,166 @@
+"""The ingress logic over fake engine handles (no Ray, no vLLM): auth and tenant salts, the
+prefill -> decode hand-off of kv_transfer_params, SSE framing, usage, readiness."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.testclient import TestClient
+
+from deployments.engine import _count_failed_transfers
+from deployments.openai_api import ChatCompletionRequest, CompletionRequest
+from deployments.protocol import EngineChunk, EngineRequest
+
+pytestmark = pytest.mark.slow  # builds the tiny model's tokenizer once per session
+
+KV = {"remote_engine_id": "e1", "remote_block_ids": [[1, 2]], "do_remote_prefill": True}
+
+
+class _Remote:
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+
+    def remote(self, *a: Any) -> Any:
+        return self.fn(*a)
+
+
+class FakeEngine:
+    """Stands in for a Serve handle of one engine replica."""
+
+    def __init__(self, role: str, ready: bool = True) -> None:
+        self.role = role
+        self.is_ready = ready
+        self.seen: list[EngineRequest] = []
+        self.prefill = _Remote(self._prefill)
+        self.decode = _Remote(self._decode)
+        self.ready = _Remote(self._ready)
+        self.stats = _Remote(self._stats)
+
+    def options(self, **_: Any) -> FakeEngine:
+        return self
+
+    async def _prefill(self, req: EngineRequest) -> EngineChunk:
+        self.seen.append(req)
+        return EngineChunk("x", (9,), "length", len(req.prompt_token_ids), 128, 0.01, KV)
+
+    async def _decode(self, req: EngineRequest) -> AsyncIterator[EngineChunk]:
+        self.seen.append(req)
+        n = req.sampling.max_tokens
+        for i in range(n):
+            yield EngineChunk(
+                f"t{i}", (i,), "length" if i == n - 1 else None, len(req.prompt_token_ids), 0, 0.02
+            )
+
+    async def _ready(self) -> bool:
+        if not self.is_ready:
+            raise RuntimeError("starting")
+        return True
+
+    async def _stats(self) -> dict[str, Any]:
+        return {"role": self.role}
+
+
+@pytest.fixture(scope="module")
+def wired(tiny_model_dir: Path) -> Any:
+    from deployments.config import AppConfig
+    from deployments.ingress import IngressCore, api
+
+    cfg = AppConfig.model_validate(
+        {
+            "model": {"path": str(tiny_model_dir), "build_preset": None},
+            "ingress": {"api_keys": {"ka": "alice", "kb": "bob"}},
+            "index": {"backend": "none"},
+        }
+    ).model_dump(mode="json")
+    pre, dec = FakeEngine("prefill"), FakeEngine("decode")
+    core = IngressCore(cfg, pre, dec)
+    app = FastAPI()
+    app.exception_handlers.update(api.exception_handlers)
+
+    @app.post("/v1/completions")
+    async def comp(request: Request, body: CompletionRequest) -> Any:
+        return await core.complete(request, body)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request, body: ChatCompletionRequest) -> Any:
+        return await core.complete(request, body)
+
+    @app.get("/health")
+    async def health() -> Any:
+        return await core.health()
+
+    return TestClient(app), pre, dec
+
+
+def auth(k: str = "ka") -> dict[str, str]:
+    return {"Authorization": f"Bearer {k}"}
+
+
+def test_kv_params_go_from_prefill_to_decode_with_the_tenant_salt(wired: Any) -> None:
+    client, pre, dec = wired
+    r = client.post(
+        "/v1/completions",
+        json={"model": "test", "prompt": "hello", "max_tokens": 3},
+        headers=auth("kb"),
+    )
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"][0]["text"] == "t0t1t2"
+    assert body["usage"]["completion_tokens"] == 3
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 128  # prefill's hits
+    assert pre.seen[-1].cache_salt == "bob" and pre.seen[-1].kv_transfer_params is None
+    assert dec.seen[-1].kv_transfer_params == KV
+    assert dec.seen[-1].prompt_token_ids == pre.seen[-1].prompt_token_ids
+
+
+def test_sse_stream_with_usage_and_done(wired: Any) -> None:
+    client, _, _ = wired
+    body = {
+        "model": "test",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 2,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    with client.stream("POST", "/v1/chat/completions", json=body, headers=auth()) as r:
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert lines[-1] == "data: [DONE]"
+    chunks = [json.loads(ln[6:]) for ln in lines[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": "t0"}
+    assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 2
+
+
+def test_auth_and_model_errors(wired: Any) -> None:
+    client, _, _ = wired
+    ok = {"model": "test", "prompt": "hello", "max_tokens": 1}
+    assert client.post("/v1/completions", json=ok).status_code == 401
+    assert client.post("/v1/completions", json=ok, headers=auth("nope")).status_code == 401
+    r = client.post("/v1/completions", json={**ok, "model": "other"}, headers=auth())
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    r = client.post("/v1/completions", json={**ok, "temperature": 9}, headers=auth())
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+    r = client.post("/v1/completions", json={**ok, "prompt": ["a", "b"]}, headers=auth())
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+
+
+def test_health_is_ready_only_when_both_engines_are(wired: Any) -> None:
+    client, pre, dec = wired
+    assert client.get("/health").status_code == 200
+    dec.is_ready = False
+    try:
+        r = client.get("/health")
+        assert r.status_code == 503 and r.json()["engines"]["prefill"] is True
+    finally:
+        dec.is_ready = True
+
+
+def test_failed_transfers_are_counted_from_connector_stats() -> None:
+    assert _count_failed_transfers({"NixlConnector": {"num_failed_transfers": [1, 1]}}) == 2
+    assert _count_failed_transfers({"num_failed_transfers": 3, "other": []}) == 3
+    assert _count_failed_transfers(None) == 0
