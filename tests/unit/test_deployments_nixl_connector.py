@@ -1,0 +1,50 @@
+"""The project's NIXL connector: same name and base as vLLM's, agent rebuilt without NIXL's
+busy progress thread (real NIXL agents, no engine)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.slow  # imports vLLM
+
+
+def test_config_turns_the_progress_thread_off_and_is_thread_safe() -> None:
+    from nixl._api import nixl_thread_sync_t
+
+    from engines.nixl_connector import agent_config_without_progress_thread
+
+    c = agent_config_without_progress_thread(4, ["UCX"])
+    assert c.enable_pthread is False
+    assert c.sync_mode == nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+    assert c.num_threads == 4 and c.backends == ["UCX"]
+    c2 = agent_config_without_progress_thread(4, ["UCX", "GDS"])
+    assert c2.backends == ["UCX", "GDS"] and c2.num_threads == 0  # as vLLM builds it
+
+
+def test_rebuild_keeps_the_agent_name_and_replaces_the_agent() -> None:
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    from engines.nixl_connector import rebuild_agent_without_progress_thread
+
+    class Ktc:
+        def get_from_extra_config(self, key: str, default: Any) -> Any:
+            return {"num_threads": 2}.get(key, default)
+
+    stock = nixl_agent("pdserve-test-agent", nixl_agent_config(num_threads=2))
+    worker = SimpleNamespace(nixl_wrapper=stock, kv_transfer_config=Ktc(), nixl_backends=["UCX"])
+    rebuild_agent_without_progress_thread(worker)
+    assert worker.nixl_wrapper is not stock
+    assert worker.nixl_wrapper.name == "pdserve-test-agent"
+    assert "UCX" in worker.nixl_wrapper.backends
+
+
+def test_vllm_sees_its_own_connector_name_and_base() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector
+
+    from engines.nixl_connector import NixlConnector
+
+    assert NixlConnector.__name__ == "NixlConnector"
+    assert issubclass(NixlConnector, NixlPullConnector)
