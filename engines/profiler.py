@@ -10,6 +10,8 @@ On an idle in-process vLLM engine (prefix caching on, every prompt unique so not
   ``step_s = fixed_s + per_token_s * c + attn_per_ctx_token_s * (c * p + c (c + 1) / 2)``
   for a chunk of ``c`` tokens starting at position ``p`` (the prefill simulator's model),
   coefficients floored at 0.
+  Steps holding 4, 8 or 16 unique prompts that fill the token budget enter the fit as
+  well, so the per-request cost of a batched step is not left out.
 - Decode: median step time of steps that carried exactly ``B`` decode tokens, for each
   batch size ``B``; then ``l(B) = l_min`` up to ``B0`` and ``l_min + alpha (B - B0)`` beyond,
   fitted by trying every measured ``B`` as ``B0``.
@@ -58,9 +60,23 @@ def fit_decode(batches: Sequence[int], seconds: Sequence[float]) -> DecodeProfil
 
 
 def fit_step_cost(chunks: Sequence[tuple[int, int, float]]) -> StepCost:
-    """Non-negative least squares (by dropping negative terms) over ``(c, p, step_s)``."""
-    rows = np.array([[1.0, c, c * p + c * (c + 1) / 2] for c, p, _ in chunks])
-    y = np.array([s for _, _, s in chunks])
+    """Fit over single-chunk steps ``(c, p, step_s)`` (see :func:`fit_step_cost_steps`)."""
+    return fit_step_cost_steps([([(c, p)], s) for c, p, s in chunks])
+
+
+def fit_step_cost_steps(steps: Sequence[tuple[Sequence[tuple[int, int]], float]]) -> StepCost:
+    """Non-negative least squares (by dropping negative terms) over whole steps.
+
+    Each step is ``(chunks, step_s)`` with chunks ``(c, p)``: the simulator's model
+    ``fixed_s + per_token_s * sum c + attn_per_ctx_token_s * sum (c p + c (c + 1) / 2)``.
+    """
+    rows = np.array(
+        [
+            [1.0, sum(c for c, _ in ch), sum(c * p + c * (c + 1) / 2 for c, p in ch)]
+            for ch, _ in steps
+        ]
+    )
+    y = np.array([s for _, s in steps])
     keep = [0, 1, 2]
     coef = np.zeros(3)
     for _ in range(3):
@@ -150,6 +166,7 @@ def profile_engine(
     llm.generate([prompt(64)], one, use_tqdm=False)  # warm-up
     table: list[float] = []
     chunks: list[tuple[int, int, float]] = []
+    batched: list[tuple[list[tuple[int, int]], float]] = []
     for n in prompt_tokens:
         times = []
         for _ in range(repeats):
@@ -177,6 +194,18 @@ def profile_engine(
                     chunks.append((rec.scheduled_tokens, pos, rec.step_s))
                     pos += rec.scheduled_tokens
         say(f"prefill on a cached {pre_len}-token prefix")
+    # Several unique prompts in one step (what a spike's steps look like): per-request
+    # costs of a batched step enter the fit too.
+    budget = int(llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens)
+    for k in (4, 8, 16):
+        n_each = budget // k
+        for _ in range(repeats):
+            start = len(sched.records)
+            llm.generate([prompt(n_each) for _ in range(k)], one, use_tqdm=False)
+            recs = [r for r in list(sched.records)[start:] if r.scheduled_tokens]
+            if len(recs) == 1 and recs[0].scheduled_tokens == k * n_each:
+                batched.append(([(n_each, 0)] * k, recs[0].step_s))
+    say("batched prefill steps")
     for i in range(1, len(table)):  # the table must be non-decreasing
         table[i] = max(table[i], table[i - 1])
     dec: list[float] = []
@@ -200,8 +229,12 @@ def profile_engine(
         token_budget=int(cfg.scheduler_config.max_num_batched_tokens),
         kv_blocks=int(cfg.cache_config.num_gpu_blocks or 0) or None,
         prefill=PrefillTable(prompt_tokens=list(prompt_tokens), seconds=table),
-        step_cost=fit_step_cost(chunks),
+        step_cost=fit_step_cost_steps([([(c, p)], t) for c, p, t in chunks] + batched),
         decode=fit_decode(batches, dec),
     )
-    raw = {"decode_batches": list(batches), "decode_step_s": dec, "prefill_chunks": len(chunks)}
+    raw = {
+        "decode_batches": list(batches),
+        "decode_step_s": dec,
+        "prefill_steps": len(chunks) + len(batched),
+    }
     return profile, raw

@@ -30,7 +30,7 @@ def profile(
     from engines.profiler import measure_profile
 
     p_list, b_list = csv_ints(prompts), csv_ints(batches)
-    bar = tqdm(total=len(p_list) + len(b_list) + 3, desc="profile")
+    bar = tqdm(total=len(p_list) + len(b_list) + 4, desc="profile")
 
     def step(msg: str) -> None:
         bar.update(1)

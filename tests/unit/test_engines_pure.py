@@ -97,3 +97,22 @@ def test_spike_is_deterministic_and_mixes_shared_and_unshared() -> None:
     assert any(c1[:6] == c2[:6] for c1 in chains for c2 in chains if c1 is not c2)
     u = [r for r in a.requests if r.label == "unshared"][0]
     assert block_chain(u.tokens, 128)[0] not in {c[0] for c in chains}
+
+
+def test_fit_over_batched_steps_sums_the_chunks() -> None:
+    from engines.profiler import fit_step_cost_steps
+
+    truth = (0.01, 1e-4, 2e-9)
+
+    def cost(ch: list[tuple[int, int]]) -> float:
+        return (
+            truth[0]
+            + truth[1] * sum(c for c, _ in ch)
+            + truth[2] * sum(c * p + c * (c + 1) / 2 for c, p in ch)
+        )
+
+    shapes = [[(2048, 0)], [(512, 0)] * 4, [(128, 0)] * 16, [(128, 1024)] * 8, [(1000, 0)]]
+    sc = fit_step_cost_steps([(ch, cost(ch)) for ch in shapes])
+    assert sc.fixed_s == pytest.approx(truth[0], rel=1e-6)
+    assert sc.per_token_s == pytest.approx(truth[1], rel=1e-6)
+    assert sc.attn_per_ctx_token_s == pytest.approx(truth[2], rel=1e-6)
