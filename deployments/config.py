@@ -139,6 +139,19 @@ class EngineConfig(_Strict):
         "(counted in the replica's kv_load_failures) or fail the request.",
     )
 
+    scheduler_config: dict[str, Any] | None = Field(
+        default=None,
+        description="Parameters of the project's scheduler plug-in, passed to vLLM as "
+        "additional_config={'pdserve': ...} (engines.config.EngineSchedulerConfig: "
+        "prefill_policy, gate, profile, ...); validated by the engine at start.",
+    )
+
+    @model_validator(mode="after")
+    def _config_needs_class(self) -> EngineConfig:
+        if self.scheduler_config is not None and self.scheduler_cls is None:
+            raise ValueError("scheduler_config is set but scheduler_cls is null")
+        return self
+
     @field_validator("scheduler_cls")
     @classmethod
     def _dotted(cls, v: str | None) -> str | None:
@@ -343,6 +356,8 @@ def engine_args_kwargs(cfg: AppConfig, role: Role) -> dict[str, Any]:
     }
     if e.scheduler_cls:
         kw["scheduler_cls"] = e.scheduler_cls
+    if e.scheduler_config is not None:
+        kw["additional_config"] = {"pdserve": dict(e.scheduler_config)}
     if e.kv_events is not None:
         ev: dict[str, Any] = {
             "enable_kv_cache_events": True,

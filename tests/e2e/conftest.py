@@ -17,6 +17,18 @@ APP = "pdserve"
 TENANT_KEYS = {"sk-alice": "alice", "sk-bob": "bob"}
 
 
+ROOT = Path(__file__).resolve().parents[2]
+SHIPPED = ROOT / "configs" / "pd_default.yaml"
+
+
+def shipped_engine(role: str) -> dict[str, Any]:
+    """The shipped YAML's scheduler settings for ``role``, so the tests run what ships."""
+    import yaml
+
+    args = yaml.safe_load(SHIPPED.read_text())["applications"][0]["args"][role]
+    return {k: args[k] for k in ("scheduler_cls", "scheduler_config") if k in args}
+
+
 def pd_args(model_dir: Path, cache_dir: Path) -> dict[str, Any]:
     """App args on free ports (other runs on the machine may hold the default ones)."""
     return {
@@ -27,12 +39,14 @@ def pd_args(model_dir: Path, cache_dir: Path) -> dict[str, Any]:
             "cpu_bind": "0",
             "nixl_side_channel_port": free_port(),
             "kv_events": {"endpoint": f"tcp://*:{free_port()}"},
+            **shipped_engine("prefill"),
         },
         "decode": {
             "num_cpus": 1.0,
             "cpu_bind": "1",
             "nixl_side_channel_port": free_port(),
             "kv_events": {"endpoint": f"tcp://*:{free_port()}"},
+            **shipped_engine("decode"),
         },
         "ingress": {"num_cpus": 0.25, "api_keys": TENANT_KEYS},
     }

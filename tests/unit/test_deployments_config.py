@@ -136,3 +136,22 @@ def test_engine_env_per_role() -> None:
     assert p["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600" and d["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5610"
     assert p["VLLM_CPU_OMP_THREADS_BIND"] == "0" and d["VLLM_CPU_OMP_THREADS_BIND"] == "1"
     assert p["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+
+
+def test_scheduler_plugins_and_their_config() -> None:
+    raw = yaml.safe_load((ROOT / "configs" / "pd_default.yaml").read_text())
+    cfg = load_app_config(raw["applications"][0]["args"], environ={})
+    p, d = engine_args_kwargs(cfg, "prefill"), engine_args_kwargs(cfg, "decode")
+    assert p["scheduler_cls"] == "engines.scheduler.FairwayScheduler"
+    assert d["scheduler_cls"] == "engines.scheduler.TWPScheduler"
+    assert "profile" in p["additional_config"]["pdserve"]
+    with pytest.raises(ValidationError, match="scheduler_config is set but scheduler_cls"):
+        AppConfig.model_validate(
+            {
+                "prefill": {
+                    "num_cpus": 1,
+                    "nixl_side_channel_port": 5600,
+                    "scheduler_config": {"profile": "x"},
+                }
+            }
+        )
