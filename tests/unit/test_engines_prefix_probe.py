@@ -24,14 +24,17 @@ class FakeCoordinator:
     pool: Any
     calls: list[str] = field(default_factory=list)
 
-    def find_longest_cache_hit(self, hashes: list[bytes], max_len: int) -> tuple[Any, int, int]:
+    def find_longest_cache_hit(self, hashes: list[Any], max_len: int) -> tuple[Any, int, int]:
         from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
 
         n = 0
         for h in hashes:
-            if self.pool.cached_block_hash_to_block.get_one_block(
-                make_block_hash_with_group_id(h, 0)
-            ) is None:
+            if (
+                self.pool.cached_block_hash_to_block.get_one_block(
+                    make_block_hash_with_group_id(h, 0)
+                )
+                is None
+            ):
                 break
             n += 1
         return None, min(n * 16, max_len), 0
@@ -55,7 +58,8 @@ def test_probe_looks_up_new_and_affected_requests_only() -> None:
 
     kvm = FakeKVM()
     probe = PrefixProbe(kvm)
-    a = FakeRequest("a", [b"h1", b"h2"], 40)
+    h1: Any = b"h1"  # a BlockHash is a NewType of bytes
+    a = FakeRequest("a", [h1, b"h2"], 40)
     b = FakeRequest("b", [b"x1"], 40)
     assert probe.refresh([a, b]) == {"a": 0, "b": 0}
     assert probe.lookups == 2
@@ -63,11 +67,11 @@ def test_probe_looks_up_new_and_affected_requests_only() -> None:
     assert probe.lookups == 2  # nothing changed
 
     blk = kvm.block_pool.blocks[1]
-    kvm.block_pool.cached_block_hash_to_block.insert(make_block_hash_with_group_id(b"h1", 0), blk)
+    kvm.block_pool.cached_block_hash_to_block.insert(make_block_hash_with_group_id(h1, 0), blk)
     assert probe.refresh([a, b]) == {"a": 16, "b": 0}
     assert probe.lookups == 3  # only "a" holds h1
 
-    kvm.block_pool.cached_block_hash_to_block.pop(make_block_hash_with_group_id(b"h1", 0), 1)
+    kvm.block_pool.cached_block_hash_to_block.pop(make_block_hash_with_group_id(h1, 0), 1)
     assert probe.refresh([a]) == {"a": 0}  # "b" left the queue and is forgotten
     assert probe.lookups == 4 and probe.evictions == 1
 
