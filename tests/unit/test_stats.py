@@ -8,4 +8,11 @@ def test_summary_of_known_sample() -> None:
 
 
 def test_empty_sample_invents_nothing() -> None:
-    assert summarize([]) == {"n": 0, "mean": None, "p50": None, "p90": None, "p99": None, "max": None}
+    assert summarize([]) == {
+        "n": 0,
+        "mean": None,
+        "p50": None,
+        "p90": None,
+        "p99": None,
+        "max": None,
+    }
