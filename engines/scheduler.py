@@ -22,7 +22,9 @@ allocation and preemption):
 2. ``_order``: the prefill policy's order replaces the order of ``self.waiting``.
 3. ``_gate``: TWP's held requests are taken out of ``waiting`` for this ``schedule()`` call
    only and put back right after it, so vLLM never admits them in this step.
-4. After each step (``update_from_output``): the step's wall time, the ITL sample (the gap
+4. Right after vLLM's ``schedule()``: a stateful prefill policy's ``observe_step`` (if it
+   has one) gets the ``(request_id, tokens)`` this step scheduled, as in the simulator.
+5. After each step (``update_from_output``): the step's wall time, the ITL sample (the gap
    between consecutive steps that carried decode tokens, idle gaps excluded), TWP's
    ``observe``, a :class:`StepRecord`, and the state snapshot on the channel.
 
@@ -153,6 +155,9 @@ class PdserveSchedulerMixin:
         self.prefill: PrefillPolicy | None = (
             make_prefill_policy(name, profile, cfg.fairway) if name is not None else None
         )
+        self._observe_step: Callable[[list[tuple[str, int]], float], None] | None = getattr(
+            self.prefill, "observe_step", None
+        )
         self.gate: TWP | None = TWP(profile, cfg.twp) if gate == "twp" and profile else None
         if not hasattr(self, "_engine_long_prefill"):
             self._engine_long_prefill = self.scheduler_config.long_prefill_token_threshold
@@ -188,6 +193,10 @@ class PdserveSchedulerMixin:
             if held:
                 self.waiting.extend(held)
         t2 = self.clock()
+        if self._observe_step is not None:
+            # Stateful prefill policies (k-LPM's turns, fairway_xstep's allowances) learn
+            # what this step actually scheduled, as the simulator tells them.
+            self._observe_step(list(out.num_scheduled_tokens.items()), self.wall_clock())
         load_after = self._running_token_load() if self.gate is not None else 0
         decode = 0
         for rid in out.num_scheduled_tokens:

@@ -52,6 +52,16 @@ def test_fcfs_admits_in_arrival_order(pd_engine: PdEngine) -> None:
     assert run.outputs["hit0"].num_cached_tokens == 1024
 
 
+def test_stateful_policies_learn_each_steps_admissions(pd_engine: PdEngine) -> None:
+    """k-LPM counts turns across steps through observe_step: one per admitted request."""
+    sched = pd_engine.configure(prefill_policy="klpm4")
+    run, hits, _, _ = _spike(pd_engine, 12)
+    assert len(run.outputs) == 13
+    # The warm-up request, the miss and 12 hits: each admitted once, counted once, although
+    # the chunked miss is scheduled again in later steps.
+    assert sched.prefill.admitted == 14
+
+
 def test_fairway_admits_cheap_hits_first_and_the_miss_within_the_bound(
     pd_engine: PdEngine,
 ) -> None:
