@@ -17,6 +17,17 @@ def csv_list(value: str) -> list[str]:
     return items
 
 
+def csv_known(value: str, known: Sequence[str], what: str, param_hint: str) -> list[str]:
+    """A comma list whose every item must be one of ``known``; the error lists them."""
+    items = csv_list(value)
+    unknown = [v for v in items if v not in known]
+    if unknown:
+        raise typer.BadParameter(
+            f"unknown {what} {unknown}; known: {list(known)}", param_hint=param_hint
+        )
+    return items
+
+
 def csv_ints(value: str) -> list[int]:
     try:
         out = [int(v) for v in csv_list(value)]

@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 
 from pdserve.apps import bench_app
-from pdserve.output import csv_list, table, write_json
+from pdserve.output import csv_known, table, write_json
 
 
 @bench_app.command("engine")
@@ -39,12 +39,7 @@ def engine(
     from controllers.prefill import prefill_policy_names
     from pdserve.output import csv_ints
 
-    names = csv_list(policies)
-    unknown = [p for p in names if p not in prefill_policy_names()]
-    if unknown:
-        raise typer.BadParameter(
-            f"unknown policies {unknown}; known: {prefill_policy_names()}", param_hint="--policies"
-        )
+    names = csv_known(policies, prefill_policy_names(), "policies", "--policies")
     sizes = csv_ints(overhead)
     prof = load_profile(profile) if profile else None
     bar = tqdm(total=len(names) + len(sizes) + (0 if profile else 1), desc="bench engine")

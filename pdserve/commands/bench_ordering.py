@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from pdserve.apps import bench_app
-from pdserve.output import csv_ints, csv_list, table, write_json
+from pdserve.output import csv_ints, csv_known, table, write_json
 
 
 @bench_app.command("ordering")
@@ -22,12 +22,7 @@ def ordering(
     from bench.ordering import run
     from controllers.prefill import prefill_policy_names
 
-    names = csv_list(policies)
-    unknown = [p for p in names if p not in prefill_policy_names()]
-    if unknown:
-        raise typer.BadParameter(
-            f"unknown policies {unknown}; known: {prefill_policy_names()}", param_hint="--policies"
-        )
+    names = csv_known(policies, prefill_policy_names(), "policies", "--policies")
     sizes = csv_ints(waiting)
     res = run(names, sizes, steps or None, seed)
     typer.echo(

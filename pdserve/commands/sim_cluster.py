@@ -8,7 +8,7 @@ from typing import Any
 import typer
 
 from pdserve.apps import sim_app
-from pdserve.output import csv_ints, csv_list, table, write_json
+from pdserve.output import csv_ints, csv_known, table, write_json
 
 
 @sim_app.command("cluster")
@@ -52,18 +52,8 @@ def sim_cluster(
     counts = csv_ints(replicas)
     if any(c < 1 for c in counts):
         raise typer.BadParameter("replica counts must be >= 1", param_hint="--replicas")
-    routings = csv_list(routing)
-    bad = [r for r in routings if r not in ROUTING_NAMES]
-    if bad:
-        raise typer.BadParameter(
-            f"unknown routing {bad}; known: {list(ROUTING_NAMES)}", param_hint="--routing"
-        )
-    names = csv_list(policies)
-    bad = [p for p in names if p not in prefill_policy_names()]
-    if bad:
-        raise typer.BadParameter(
-            f"unknown policies {bad}; known: {prefill_policy_names()}", param_hint="--policies"
-        )
+    routings = csv_known(routing, ROUTING_NAMES, "routing", "--routing")
+    names = csv_known(policies, prefill_policy_names(), "policies", "--policies")
     if (scenario is None) == (trace is None):
         raise typer.BadParameter(
             "give exactly one of --scenario or --trace", param_hint="--scenario"

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Literal
 import typer
 
 from pdserve.apps import sim_app
-from pdserve.output import csv_list, table, write_json
+from pdserve.output import csv_known, table, write_json
 
 if TYPE_CHECKING:
     from controllers.decode import TWPConfig
@@ -63,12 +63,7 @@ def decode(
         )
     if mode not in ("colocated", "pd"):
         raise typer.BadParameter(f"expected colocated or pd, got {mode!r}", param_hint="--mode")
-    names = csv_list(policies)
-    unknown = [p for p in names if p not in decode_policy_names()]
-    if unknown:
-        raise typer.BadParameter(
-            f"unknown policies {unknown}; known: {decode_policy_names()}", param_hint="--policies"
-        )
+    names = csv_known(policies, decode_policy_names(), "policies", "--policies")
     try:
         prof = load_profile(profile)
     except FileNotFoundError as e:

@@ -8,7 +8,7 @@ from typing import Any
 import typer
 
 from pdserve.apps import sim_app
-from pdserve.output import csv_list, table, write_json
+from pdserve.output import csv_known, table, write_json
 
 DEFAULT_POLICIES = "fcfs,lpm,klpm4,klpm8,ragcache,preble,peek,fairway"
 
@@ -53,12 +53,7 @@ def sim_prefill(
     from bench.profiles import load_profile
     from controllers.prefill import prefill_policy_names
 
-    names = csv_list(policies)
-    unknown = [p for p in names if p not in prefill_policy_names()]
-    if unknown:
-        raise typer.BadParameter(
-            f"unknown policies {unknown}; known: {prefill_policy_names()}", param_hint="--policies"
-        )
+    names = csv_known(policies, prefill_policy_names(), "policies", "--policies")
     if (scenario is None) == (trace is None):
         raise typer.BadParameter(
             "give exactly one of --scenario or --trace", param_hint="--scenario"
