@@ -325,6 +325,13 @@ def xstep_observe(
             del inflight[rid]
         else:
             inflight[rid] = (rank, rem)
+    # A started request that this step did not schedule has finished early (the view's work
+    # was stale), been aborted, or been preempted (it returns through the waiting queue):
+    # forget it, or its phantom work would inflate every later arrival's allowance. A
+    # running request skipped only because the budget ran out is forgotten too; that
+    # shrinks later allowances, which keeps the bound.
+    seen = {rid for rid, _ in scheduled}
+    inflight = {rid: v for rid, v in inflight.items() if rid in seen}
     if charged and waiting:
         ranks, suffix = _suffix(charged)
         waiting = {

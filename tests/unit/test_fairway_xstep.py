@@ -134,6 +134,23 @@ def test_finished_requests_leave_the_state() -> None:
     assert plan.order == [] and not state.waiting
 
 
+def test_aborted_requests_do_not_inflate_later_allowances() -> None:
+    """A request started and then never scheduled again (aborted, or done early because the
+    view's work was stale) leaves the in-flight table at the next step."""
+    cfg = XStepConfig()
+    state = XStepState()
+    for k in range(50):
+        state, _ = xstep_order(state, queue(req(f"gone{k}", uncached=1000, arrival=k)), k, cfg, FW)
+        state = xstep_observe(state, [(f"gone{k}", 200)], k + 0.1)  # 800 tokens left ...
+    # ... and none of them is scheduled again: at most the last one is still in flight.
+    assert len(state.inflight) <= 1
+    state, _ = xstep_order(state, queue(req("new", uncached=1000, arrival=100.0)), 100.0, cfg, FW)
+    fresh, _ = xstep_order(
+        XStepState(), queue(req("new", uncached=1000, arrival=100.0)), 100.0, cfg, FW
+    )
+    assert state.waiting["new"].allowance <= fresh.waiting["new"].allowance + cfg.bypass_share * 800
+
+
 def _state_strategy() -> st.SearchStrategy:
     return st.lists(st.tuples(st.floats(0, 20_000), st.floats(0, 20_000)), min_size=0, max_size=30)
 
