@@ -68,10 +68,17 @@ for i = 1, #live, 2 do
   local key = ARGV[1] .. 'r:' .. r .. ':' .. live[i + 1]
   -- most replicas lack the first block: one cheap probe before the bulk one
   if ok and redis.call('SISMEMBER', key, hs[1]) == 1 then
+    -- slices of 4,096: Lua's unpack fails near 8,000 values (a 128k-token prompt at 16)
     local n = 1
-    if #hs > 1 then
-      local hits = redis.call('SMISMEMBER', key, unpack(hs, 2))
-      while n <= #hits and hits[n] == 1 do n = n + 1 end
+    local i = 2
+    while i <= #hs do
+      local j = math.min(#hs, i + 4095)
+      local hits = redis.call('SMISMEMBER', key, unpack(hs, i, j))
+      local k = 1
+      while k <= #hits and hits[k] == 1 do k = k + 1 end
+      n = n + k - 1
+      if k <= #hits then break end
+      i = j + 1
     end
     out[#out + 1] = r; out[#out + 1] = n
   end

@@ -183,6 +183,13 @@ def test_large_batches_are_written(factory: Factory) -> None:
         assert await ix.match(many) == {"a": len(many)}
         assert await ix.evict("a", many[1000:])
         assert await ix.match(many) == {"a": 1000}
+        # A prompt longer than one Lua unpack (~8,000 values) still matches in full, and
+        # a gap beyond the first slice is found.
+        long = list(range(10_001, 20_001))
+        assert await ix.record("a", long)
+        assert await ix.match(long) == {"a": 10_000}
+        assert await ix.evict("a", [long[9_000]])
+        assert await ix.match(long) == {"a": 9_000}
 
     run(factory, body, write_batch=256)
 
