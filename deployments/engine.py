@@ -165,6 +165,8 @@ class InProcessEngine:
         def sink(item: Any) -> None:
             loop.call_soon_threadsafe(q.put_nowait, item)
 
+        keys = [request_id]  # every key this request's sink is stored under
+
         def add() -> None:
             self._sinks[request_id] = sink
             try:
@@ -175,6 +177,7 @@ class InProcessEngine:
                 return
             if internal != request_id:
                 self._sinks[internal] = sink
+                keys.append(internal)
 
         self._submit(add)
         finished = False
@@ -188,8 +191,15 @@ class InProcessEngine:
                     finished = True
                     return
         finally:
-            if not finished:
-                self._submit(lambda: self.engine.abort_request([request_id]))
+
+            def cleanup() -> None:
+                if not finished:
+                    self.engine.abort_request([request_id])
+                for k in keys:  # outputs carry the external id: drop the internal one too
+                    self._sinks.pop(k, None)
+
+            if self.failure is None:  # a dead engine has already failed and cleared its sinks
+                self._submit(cleanup)
 
     def shutdown(self) -> None:
         self._stop = True

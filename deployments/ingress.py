@@ -62,6 +62,19 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
     return _error(RequestError(msg, param))
 
 
+def _cancel(call: Any) -> None:
+    """Cancel a Serve call left behind by a time-out (Serve does not on an abandoned await)."""
+    cancel = getattr(call, "cancel", None)
+    if cancel is not None:
+        cancel()
+
+
+def _reason(e: BaseException) -> str:
+    """The innermost message of an engine error (Ray wraps the replica's exception)."""
+    cause = getattr(e, "cause", None) or e.__cause__ or e
+    return str(cause).strip().splitlines()[-1][:300] if str(cause).strip() else type(cause).__name__
+
+
 class Tokenizer:
     """The model's tokenizer, loaded once per ingress replica (the ingress tokenizes once)."""
 
@@ -72,7 +85,14 @@ class Tokenizer:
 
     def completion_ids(self, prompt: str | list[str] | list[int]) -> list[int]:
         if isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
-            return [int(p) for p in prompt]
+            ids = [int(p) for p in prompt]
+            vocab = len(self.tok)
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise RequestError(
+                    f"prompt: token id {bad} is outside the vocabulary [0, {vocab})", "prompt"
+                )
+            return ids
         if isinstance(prompt, list):
             if len(prompt) != 1:
                 raise RequestError(
@@ -83,7 +103,10 @@ class Tokenizer:
 
     def chat_ids(self, req: ChatCompletionRequest) -> list[int]:
         msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
-        text = self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        try:
+            text = self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # the template refuses the conversation (roles, ...)
+            raise RequestError(f"messages: the chat template refused them: {e}", "messages") from e
         return list(self.tok(text, add_special_tokens=False)["input_ids"])
 
 
@@ -219,6 +242,9 @@ class IngressCore:
             pre: EngineChunk = await asyncio.wait_for(self.prefill.prefill.remote(req), timeout)
         except TimeoutError:
             return _error(RequestError("prefill timed out", None, status=504))
+        except Exception as e:  # the engine refused or failed: a gateway error, not a 500
+            log.warning("prefill failed for %s: %s", rid, e)
+            return _error(RequestError(f"prefill failed: {_reason(e)}", None, status=502))
         dreq = EngineRequest(
             rid, tuple(ids), sampling, cache_salt=salt, kv_transfer_params=pre.kv_transfer_params
         )
@@ -232,12 +258,19 @@ class IngressCore:
         n_out = 0
         finish: str | None = None
         last: EngineChunk | None = None
-        async with asyncio.timeout(timeout):
-            async for ch in stream:
-                text.append(ch.text)
-                n_out += len(ch.token_ids)
-                finish = ch.finish_reason or finish
-                last = ch
+        try:
+            async with asyncio.timeout(timeout):
+                async for ch in stream:
+                    text.append(ch.text)
+                    n_out += len(ch.token_ids)
+                    finish = ch.finish_reason or finish
+                    last = ch
+        except TimeoutError:
+            _cancel(stream)
+            return _error(RequestError("decode timed out", None, status=504))
+        except Exception as e:
+            log.warning("decode failed for %s: %s", rid, e)
+            return _error(RequestError(f"decode failed: {_reason(e)}", None, status=502))
         engine_s = pre.engine_s + (last.engine_s if last else 0.0)
         total_s = time.monotonic() - t0
         self.overhead_s.append(max(0.0, total_s - engine_s))
@@ -289,8 +322,13 @@ class IngressCore:
                         )
                         first = False
         except TimeoutError:
-            err = RequestError("decode timed out", None, status=504)
-            yield sse(err.body())
+            _cancel(stream)
+            yield sse(RequestError("decode timed out", None, status=504).body())
+        except (
+            Exception
+        ) as e:  # an error event, then usage and [DONE]: the stream stays well-formed
+            log.warning("decode failed for %s: %s", rid, e)
+            yield sse(RequestError(f"decode failed: {_reason(e)}", None, status=502).body())
         if with_usage:
             yield sse(
                 stream_chunk(

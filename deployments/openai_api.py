@@ -79,7 +79,12 @@ class _Common(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1, description="Most output tokens.")
     temperature: float = Field(default=1.0, ge=0.0, le=2.0, description="Sampling temperature.")
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
-    seed: int | None = Field(default=None, description="Sampling seed.")
+    seed: int | None = Field(
+        default=None,
+        ge=-(2**63),
+        le=2**63 - 1,
+        description="Sampling seed (a 64-bit signed integer; torch rejects others mid-step).",
+    )
     stop: str | list[str] | None = Field(default=None, description="Up to 4 stop strings.")
     stream: bool = Field(default=False, description="Stream server-sent events.")
     stream_options: StreamOptions | None = Field(default=None, description="Streaming options.")
@@ -195,6 +200,8 @@ def sampling_of(
     stop: tuple[str, ...] = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     if len(stop) > 4:
         raise RequestError("stop takes at most 4 strings", "stop")
+    if any(not s for s in stop):
+        raise RequestError("stop strings must be non-empty", "stop")
     return Sampling(
         max_tokens=asked if asked is not None else min(default_max_tokens, room),
         temperature=req.temperature,

@@ -120,9 +120,9 @@ class ClusterPrefixLookup:
 
     async def lookup(self, token_ids: Sequence[int], cache_salt: str | None) -> PrefixMatch | None:
         self.stats.lookups += 1
-        hashes = self.hasher.prefix_hashes(token_ids, cache_salt)
-        self.stats.blocks_queried += len(hashes)
         try:
+            hashes = self.hasher.prefix_hashes(token_ids, cache_salt)
+            self.stats.blocks_queried += len(hashes)
             by_replica = await asyncio.wait_for(self.index.match(hashes), self.timeout_s)
         except TimeoutError:
             self.stats.timeouts += 1

@@ -35,6 +35,7 @@ class FakeEngine:
     def __init__(self, role: str, ready: bool = True) -> None:
         self.role = role
         self.is_ready = ready
+        self.fail_after: int | None = None  # raise after this many chunks (an engine failure)
         self.seen: list[EngineRequest] = []
         self.prefill = _Remote(self._prefill)
         self.decode = _Remote(self._decode)
@@ -46,12 +47,16 @@ class FakeEngine:
 
     async def _prefill(self, req: EngineRequest) -> EngineChunk:
         self.seen.append(req)
+        if self.fail_after == 0:
+            raise RuntimeError("engine refused the request")
         return EngineChunk("x", (9,), "length", len(req.prompt_token_ids), 128, 0.01, KV)
 
     async def _decode(self, req: EngineRequest) -> AsyncIterator[EngineChunk]:
         self.seen.append(req)
         n = req.sampling.max_tokens
         for i in range(n):
+            if self.fail_after is not None and i >= self.fail_after:
+                raise RuntimeError("decode engine died")
             yield EngineChunk(
                 f"t{i}", (i,), "length" if i == n - 1 else None, len(req.prompt_token_ids), 0, 0.02
             )
@@ -164,3 +169,53 @@ def test_failed_transfers_are_counted_from_connector_stats() -> None:
     assert _count_failed_transfers({"NixlConnector": {"num_failed_transfers": [1, 1]}}) == 2
     assert _count_failed_transfers({"num_failed_transfers": 3, "other": []}) == 3
     assert _count_failed_transfers(None) == 0
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"seed": 2**64}, "seed"),
+        ({"stop": [""]}, "stop"),
+        ({"prompt": [5, 10**9]}, "prompt"),
+        ({"prompt": [5, -1]}, "prompt"),
+    ],
+)
+def test_input_the_engine_would_fail_on_is_a_400(
+    wired: Any, body: dict[str, Any], param: str
+) -> None:
+    client, pre, _ = wired
+    n = len(pre.seen)
+    r = client.post(
+        "/v1/completions", headers=auth(), json={"model": "test", "prompt": "hi", **body}
+    )
+    assert r.status_code == 400, r.text
+    assert param in r.json()["error"]["message"]
+    assert len(pre.seen) == n  # refused before any engine saw it
+
+
+def test_engine_failures_are_gateway_errors_and_streams_stay_well_formed(wired: Any) -> None:
+    client, pre, dec = wired
+    try:
+        pre.fail_after = 0
+        r = client.post("/v1/completions", headers=auth(), json={"model": "test", "prompt": "hi"})
+        assert r.status_code == 502 and "prefill failed" in r.json()["error"]["message"]
+        pre.fail_after = None
+        dec.fail_after = 2
+        r = client.post(
+            "/v1/completions",
+            headers=auth(),
+            json={"model": "test", "prompt": "hi", "max_tokens": 5},
+        )
+        assert r.status_code == 502 and "decode failed" in r.json()["error"]["message"]
+        with client.stream(
+            "POST",
+            "/v1/completions",
+            headers=auth(),
+            json={"model": "test", "prompt": "hi", "max_tokens": 5, "stream": True},
+        ) as s:
+            lines = [ln for ln in s.iter_lines() if ln.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]"
+        events = [json.loads(ln[6:]) for ln in lines[:-1]]
+        assert any("error" in e and "decode failed" in e["error"]["message"] for e in events)
+    finally:
+        pre.fail_after = dec.fail_after = None
