@@ -149,7 +149,7 @@ def simulate_cluster(
             i += 1
             matches = {ids[j]: e.cached_tokens_for(r) for j, e in enumerate(engines)}
             state, dec = route(
-                state, RouteRequest(r.request_id, r.prompt_tokens), loads, None, matches, rcfg
+                state, RouteRequest(r.request_id, r.prompt_tokens), loads, None, matches, rcfg, now
             )
             assert dec.prefill_replica is not None  # every replica is healthy here
             j = ids.index(dec.prefill_replica)

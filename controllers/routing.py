@@ -137,8 +137,16 @@ class RouterState:
     inflight: Mapping[str, tuple[tuple[float, int], ...]] = field(default_factory=dict)
     counters: Mapping[str, int] = field(default_factory=dict)
 
-    def inflight_tokens(self, replica_id: str) -> int:
-        return sum(t for _, t in self.inflight.get(replica_id, ()))
+    def inflight_tokens(
+        self, replica_id: str, now: float | None = None, ttl_s: float | None = None
+    ) -> int:
+        """Tokens sent to ``replica_id`` not yet covered by a report; with ``now`` and
+        ``ttl_s``, entries older than the TTL no longer count (a replica that stopped
+        reporting does not look busy forever)."""
+        entries = self.inflight.get(replica_id, ())
+        if now is None or ttl_s is None:
+            return sum(t for _, t in entries)
+        return sum(t for at, t in entries if now - at < ttl_s)
 
     def count(self, name: str, by: int = 1) -> RouterState:
         c = dict(self.counters)
@@ -167,10 +175,12 @@ def on_report(
     return replace(state, inflight=inflight)
 
 
-def _backlog(r: PrefillReplicaLoad, state: RouterState, cfg: RoutingConfig) -> int:
+def _backlog(
+    r: PrefillReplicaLoad, state: RouterState, cfg: RoutingConfig, now: float | None
+) -> int:
     return (
         r.queued_uncached_tokens
-        + state.inflight_tokens(r.replica_id)
+        + state.inflight_tokens(r.replica_id, now, cfg.inflight_ttl_s)
         + r.running * cfg.running_weight_tokens
     )
 
@@ -181,6 +191,7 @@ def choose_prefill(
     replicas: Sequence[PrefillReplicaLoad],
     matches: Mapping[str, int] | None,
     cfg: RoutingConfig,
+    now: float | None = None,
 ) -> tuple[RouterState, str | None, str, int, float]:
     """Pick a prefill replica. ``matches`` maps replica -> cached prefix tokens it holds;
     ``None`` means the index was unavailable (load-only fallback, counted).
@@ -194,7 +205,7 @@ def choose_prefill(
     if policy == "round_robin":
         r = cands[state.rr_next % len(cands)]
         return replace(state, rr_next=state.rr_next + 1), r.replica_id, "round_robin", 0, 0.0
-    backlog = {r.replica_id: _backlog(r, state, cfg) for r in cands}
+    backlog = {r.replica_id: _backlog(r, state, cfg, now) for r in cands}
     if matches is None and policy in ("prefix_only", "prefix_load"):
         state = state.count("index_unavailable")
         policy = "least_loaded"
@@ -271,14 +282,16 @@ def route(
     decode: Sequence[DecodeReplicaLoad] | None,
     matches: Mapping[str, int] | None,
     cfg: RoutingConfig,
+    now: float | None = None,
 ) -> tuple[RouterState, RouteDecision]:
-    """One routing decision. ``decode=None`` routes prefill only (prefill-node simulations)."""
+    """One routing decision at ``now`` (the router's clock; None: in-flight tokens never
+    expire). ``decode=None`` routes prefill only (prefill-node simulations)."""
     d_id: str | None = None
     if decode is not None:
         d_id, d_reason = choose_decode(req, decode, cfg)
         if d_id is None:
             return state.count("hold"), RouteDecision(None, None, "hold", d_reason)
-    state, p_id, reason, matched, score = choose_prefill(state, req, prefill, matches, cfg)
+    state, p_id, reason, matched, score = choose_prefill(state, req, prefill, matches, cfg, now)
     if d_id is not None and req.prompt_tokens - matched < cfg.local_prefill_threshold_tokens:
         return state.count("decode_local"), RouteDecision(
             None, d_id, "decode_local", "short_uncached", matched, score

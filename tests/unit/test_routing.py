@@ -76,6 +76,18 @@ def test_inflight_tokens_count_until_a_later_report_covers_them() -> None:
     assert st.inflight_tokens("p0") == 0
 
 
+def test_inflight_tokens_expire_without_a_report() -> None:
+    """A replica that stops reporting does not look busy forever: its in-flight tokens
+    stop counting after inflight_ttl_s."""
+    cfg = RoutingConfig(policy="least_loaded", inflight_ttl_s=10.0)
+    st = on_dispatch(RouterState(), "p0", 50_000, now=0.0)
+    loads = [PrefillReplicaLoad("p0"), PrefillReplicaLoad("p1", queued_uncached_tokens=1000)]
+    _, rid, _, _, _ = choose_prefill(st, RouteRequest("r", 10), loads, {}, cfg, now=5.0)
+    assert rid == "p1"
+    _, rid, _, _, _ = choose_prefill(st, RouteRequest("r", 10), loads, {}, cfg, now=11.0)
+    assert rid == "p0"
+
+
 def _hotspot_run(policy: str) -> dict[str, int]:
     """Every request (8,000 tokens) shares one popular 4,000-token prefix held only by p0;
     each replica drains 2,500 tokens per arrival, so no single replica keeps up with the
