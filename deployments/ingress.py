@@ -238,9 +238,11 @@ class IngressCore:
         rid = new_id("chatcmpl" if chat else "cmpl")
         req = EngineRequest(rid, tuple(ids), sampling, cache_salt=salt)
         timeout = self.cfg.ingress.engine_timeout_s
+        call = self.prefill.prefill.remote(req)
         try:
-            pre: EngineChunk = await asyncio.wait_for(self.prefill.prefill.remote(req), timeout)
+            pre: EngineChunk = await asyncio.wait_for(call, timeout)
         except TimeoutError:
+            _cancel(call)  # or the prefill runs on and holds KV blocks nobody will read
             return _error(RequestError("prefill timed out", None, status=504))
         except Exception as e:  # the engine refused or failed: a gateway error, not a 500
             log.warning("prefill failed for %s: %s", rid, e)
