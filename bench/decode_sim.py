@@ -5,7 +5,7 @@ per container, ``admit(DecodeView)`` before each engine step and
 ``observe(DecodeObservation)`` after it; a dispatcher picks the container per request.
 
 Model (issue #5; the numbers come from the engine profile, see
-``bench/data/profiles/v100_llama32_3b.md``):
+``engines/profiles/v100_llama32_3b.md``):
 
 - Synchronous decode steps. A step's latency is ``l(B) = l_min`` for ``B <= B0`` and
   ``l_min + alpha (B - B0)`` beyond, ``B`` the requests decoding in the step, plus a

@@ -24,7 +24,7 @@ One step at time ``now``
    (:class:`~controllers.profile.StepCost`): ``fixed_s + per_token_s * sum(c_i) +
    attn_per_ctx_token_s * sum(c_i * p_i + c_i * (c_i + 1) / 2)`` for chunks of ``c_i``
    tokens starting at position ``p_i`` (the cached prefix counts as context). The default
-   profile (``bench/data/profiles/a6000_llama31_8b.json``, Llama-3.1-8B on one A6000) is a
+   profile (``engines/profiles/a6000_llama31_8b.json``, Llama-3.1-8B on one A6000) is a
    roofline model whose numbers and derivation are in ``a6000_llama31_8b.md`` beside it;
    its patience table is the idle-engine time under this same cost model.
 6. Each full block a chunk completes is registered in the cache at once (vLLM caches full

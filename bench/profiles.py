@@ -1,27 +1,6 @@
-"""Engine profiles shipped with the simulators (``bench/data/profiles/*.json``) or on disk."""
+"""Engine profiles for the simulators: shipped in ``engines/profiles`` (see
+:mod:`engines.profile_store`), or any profile JSON by path."""
 
-from __future__ import annotations
+from engines.profile_store import PROFILE_DIR, load_profile, shipped_profiles
 
-from pathlib import Path
-
-from controllers.profile import EngineProfile
-
-PROFILE_DIR = Path(__file__).parent / "data" / "profiles"
-
-
-def shipped_profiles() -> list[str]:
-    return sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
-
-
-def load_profile(name_or_path: str | Path) -> EngineProfile:
-    """A shipped profile by name (e.g. ``a6000_llama31_8b``) or a profile JSON by path."""
-    path = Path(name_or_path)
-    if path.suffix == ".json" and path.exists():
-        return EngineProfile.load(path)
-    shipped = PROFILE_DIR / f"{name_or_path}.json"
-    if shipped.exists():
-        return EngineProfile.load(shipped)
-    raise FileNotFoundError(
-        f"no engine profile {str(name_or_path)!r}: not a JSON file, and not one of the shipped "
-        f"profiles {shipped_profiles()}"
-    )
+__all__ = ["PROFILE_DIR", "load_profile", "shipped_profiles"]

@@ -1,7 +1,7 @@
 """The engine profile: what one engine on one hardware type costs.
 
 One pydantic model, stored as JSON, read by the prefill policies (patience), both
-simulators and TWP. The simulators ship the papers' defaults (``bench/profiles``);
+simulators and TWP. The simulators ship the papers' defaults (``engines/profiles``, see ``engines.profile_store``);
 ``pdserve profile`` writes measured ones.
 
 Units: tokens are ``int``, times are seconds (``float``).

@@ -77,7 +77,7 @@ class EngineSchedulerConfig(BaseModel):
         """The profile object (loading a path or shipped name); ``None`` when not set."""
         if self.profile is None or isinstance(self.profile, EngineProfile):
             return self.profile
-        from bench.profiles import load_profile
+        from engines.profile_store import load_profile
 
         return load_profile(self.profile)
 
