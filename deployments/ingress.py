@@ -186,7 +186,7 @@ class IngressCore:
         }
 
     async def stats(self) -> dict[str, Any]:
-        from bench.stats import summarize
+        from controllers.stats import summarize
 
         t = self.cfg.ingress.health_timeout_s
         out: dict[str, Any] = {

@@ -39,3 +39,32 @@ def test_controllers_import_only_stdlib_numpy_pydantic() -> None:
                 if top not in stdlib and top not in ALLOWED_IN_CONTROLLERS:
                     bad.append(f"{path.relative_to(ROOT)}: {name}")
     assert not bad, bad
+
+
+# DESIGN.md's layer table: which of the project's packages each package may import.
+MAY_IMPORT = {
+    "controllers": {"controllers"},
+    "engines": {"controllers", "engines"},
+    "cluster": {"controllers", "cluster"},
+    "deployments": {"controllers", "engines", "cluster", "deployments"},
+    # bench also measures the running app (``pdserve bench pd``) over its wire protocol;
+    # deployments never imports bench, so there is no cycle.
+    "bench": {"controllers", "engines", "cluster", "deployments", "bench"},
+}
+
+
+@pytest.mark.parametrize("pkg", list(MAY_IMPORT))
+def test_imports_point_down_only(pkg: str) -> None:
+    bad = []
+    for path in (ROOT / pkg).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module]
+            for name in names:
+                top = name.split(".")[0]
+                if top in PACKAGES and top not in MAY_IMPORT[pkg]:
+                    bad.append(f"{path.relative_to(ROOT)}: {name}")
+    assert not bad, bad

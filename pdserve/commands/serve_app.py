@@ -140,7 +140,7 @@ def bench_pd(
     json_out: Path | None = typer.Option(None, "--json", help="Write the results as JSON here."),
 ) -> None:
     """Idle CPU, PD-path vs single-engine TTFT/ITL, and ingress overhead of a running app."""
-    from deployments.measure import run
+    from bench.pd_bench import run
     from pdserve.output import table, write_json
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")

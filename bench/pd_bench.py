@@ -21,7 +21,7 @@ import urllib.request
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from bench.stats import summarize
+from controllers.stats import summarize
 
 APP = "pdserve"
 
