@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import typer
+
+N = TypeVar("N", int, float)
 
 
 def csv_list(value: str) -> list[str]:
@@ -28,14 +30,20 @@ def csv_known(value: str, known: Sequence[str], what: str, param_hint: str) -> l
     return items
 
 
-def csv_ints(value: str) -> list[int]:
+def csv_numbers(value: str, kind: Callable[[str], N], what: str = "values") -> list[N]:
+    """Comma-separated non-negative numbers of ``kind`` (``int`` or ``float``)."""
     try:
-        out = [int(v) for v in csv_list(value)]
+        out = [kind(v) for v in csv_list(value)]
     except ValueError:
-        raise typer.BadParameter(f"expected comma-separated integers, got {value!r}") from None
+        noun = "integers" if kind is int else "numbers"
+        raise typer.BadParameter(f"expected comma-separated {noun}, got {value!r}") from None
     if any(v < 0 for v in out):
-        raise typer.BadParameter("values must be non-negative")
+        raise typer.BadParameter(f"{what} must be >= 0")
     return out
+
+
+def csv_ints(value: str) -> list[int]:
+    return csv_numbers(value, int)
 
 
 def write_json(path: Path | None, data: Any) -> None:

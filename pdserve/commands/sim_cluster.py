@@ -47,7 +47,7 @@ def sim_cluster(
     from bench.profiles import load_profile
     from controllers.prefill import prefill_policy_names
     from controllers.routing import ROUTING_NAMES
-    from pdserve.commands.sim_prefill import _workload
+    from pdserve.commands.sim_prefill import workload_from_options
 
     counts = csv_ints(replicas)
     if any(c < 1 for c in counts):
@@ -68,7 +68,7 @@ def sim_cluster(
         prof = load_profile(profile)
     except (FileNotFoundError, ValueError) as e:
         raise typer.BadParameter(str(e), param_hint="--profile") from None
-    work = _workload(
+    work = workload_from_options(
         scenario, trace, trace_format, prof, seed, load, cache_fraction, limit, 32_768, quick
     )
     typer.echo(f"{work.name} (simulated), seed {seed}, {len(work.requests)} requests")

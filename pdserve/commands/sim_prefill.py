@@ -75,13 +75,13 @@ def sim_prefill(
             list(GRID_SCENARIOS), names, prof, seed, load, cache_fraction, quick, json_out, progress
         )
         return
-    work = _workload(
+    work = workload_from_options(
         scenario, trace, trace_format, prof, seed, load, cache_fraction, limit, max_context, quick
     )
     _single(work, names, prof, seed, json_out, plot_out, progress)
 
 
-def _workload(
+def workload_from_options(
     scenario: str | None,
     trace: Path | None,
     trace_format: str,
@@ -93,6 +93,8 @@ def _workload(
     max_context: int,
     quick: bool,
 ) -> Any:
+    """The workload the scenario or trace options describe (shared by ``sim prefill`` and
+    ``sim cluster``); a trace that cannot be read is a ``--trace`` error."""
     from bench.prefill_scenarios import azure_workload, build_scenario, mooncake_workload
     from bench.traces import TraceFormatError, load_azure, load_mooncake
 

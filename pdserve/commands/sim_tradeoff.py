@@ -7,17 +7,11 @@ from pathlib import Path
 import typer
 
 from pdserve.apps import sim_app
-from pdserve.output import csv_ints, csv_list, table, write_json
+from pdserve.output import csv_ints, csv_list, csv_numbers, table, write_json
 
 
 def _shares(value: str) -> list[float]:
-    try:
-        out = [float(v) for v in csv_list(value)]
-    except ValueError:
-        raise typer.BadParameter(f"expected comma-separated numbers, got {value!r}") from None
-    if any(v < 0 for v in out):
-        raise typer.BadParameter("shares must be >= 0")
-    return out
+    return csv_numbers(value, float, "shares")
 
 
 @sim_app.command("tradeoff")
