@@ -19,19 +19,26 @@ Prefill scores, per candidate replica ``i`` for a request of ``P`` prompt tokens
   ties go to the lower backlog, then to the replica id (deterministic).
 
 Hot-spot guard (``hotspot``): a replica whose backlog exceeds
-``hotspot_factor * mean backlog + hotspot_slack_tokens`` is filtered out while any other
-candidate remains, so a replica holding a popular prefix cannot take all the load
-(the failure Dynamo #737/#7836 and llm-d's prefix-only runs hit). Counted when it
-changes the pick.
+``hotspot_factor * (mean backlog of the other candidates) + hotspot_slack_tokens`` is
+filtered out while any other candidate remains, so a replica holding a popular prefix
+cannot take all the load (the failure Dynamo #737/#7836 and llm-d's prefix-only runs hit).
+Counted when it changes the pick. The mean is over the *other* replicas: with the mean over
+all of them, two replicas could never trip it (``2 * (a + b) / 2 >= a``).
 
 Conditional disaggregation: when the uncached part at the best prefill replica is below
 ``local_prefill_threshold_tokens``, the request is prefilled on its decode replica
 (``mode="decode_local"``), as llm-d and Dynamo do.
 
-Decode choice: among decode replicas with TWP headroom for the request's expected output
-(``window - token_load >= r``) and free KV blocks above the request's own prompt blocks
-plus the guard, the one with the most headroom share wins (then free KV); when none has
-room the decision is ``hold``: the router should wait before dispatching the prefill.
+Decode choice (:func:`choose_decode`, the one implementation: the live decode router and the
+decode simulator's TWP dispatch both call it): TWP headroom **filters**, the outstanding
+count **balances**. Among decode replicas with headroom for the request's expected output
+(``window - token_load >= r``) and free KV blocks for the request's prompt blocks plus the
+guard, the one with the fewest outstanding requests wins; ties go to the larger headroom
+share, then the larger free-KV share, then the replica id. Ranking by headroom alone was
+tried in the decode simulator and balanced worse: ``K`` counts a request that outlived its
+``L_hat`` as one token (``r_i = max(1, ...)``), so replicas holding long requests look
+emptier than they are. When none has room the decision is ``hold``: the caller waits (or,
+where waiting is not possible, falls back and counts it).
 """
 
 from __future__ import annotations
@@ -60,7 +67,9 @@ class RoutingConfig(BaseModel):
         description="Tokens of backlog counted per running request (0: queued tokens already include them).",
     )
     hotspot_factor: float = Field(
-        default=2.0, gt=1, description="Backlog above factor x mean (+ slack) is a hot spot."
+        default=2.0,
+        gt=1,
+        description="Backlog above factor x the other replicas' mean (+ slack) is a hot spot.",
     )
     hotspot_slack_tokens: int = Field(
         default=4096, ge=0, description="Absolute slack in the hot-spot test (tokens)."
@@ -98,7 +107,8 @@ class PrefillReplicaLoad:
 
 @dataclass(frozen=True, slots=True)
 class DecodeReplicaLoad:
-    """A decode replica's TWP headroom and KV state, as it last published them."""
+    """A decode replica's TWP headroom, KV state and outstanding requests (running, waiting
+    and dispatched but not yet reported), as it last published them."""
 
     replica_id: str
     window_tokens: float
@@ -106,6 +116,7 @@ class DecodeReplicaLoad:
     free_kv_blocks: int
     total_kv_blocks: int
     healthy: bool = True
+    outstanding: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,9 +240,14 @@ def choose_prefill(
     pool = cands
     reason = "prefix_load"
     if cfg.hotspot_guard and len(cands) > 1:
-        mean = sum(backlog.values()) / len(cands)
-        limit = cfg.hotspot_factor * mean + cfg.hotspot_slack_tokens
-        cool = [r for r in cands if backlog[r.replica_id] <= limit]
+        total = sum(backlog.values())
+        others = len(cands) - 1
+
+        def hot(rid: str) -> bool:
+            mean_others = (total - backlog[rid]) / others
+            return backlog[rid] > cfg.hotspot_factor * mean_others + cfg.hotspot_slack_tokens
+
+        cool = [r for r in cands if not hot(r.replica_id)]
         if cool and len(cool) < len(cands):
             pool = cool
     expected = {r.replica_id: backlog[r.replica_id] + (p - matched(r.replica_id)) for r in pool}
@@ -254,25 +270,38 @@ def choose_prefill(
 
 
 def choose_decode(
-    req: RouteRequest, replicas: Sequence[DecodeReplicaLoad], cfg: RoutingConfig
+    req: RouteRequest, replicas: Sequence[DecodeReplicaLoad], kv_guard_blocks: int = 0
 ) -> tuple[str | None, str]:
-    """Pick the decode replica with the most TWP headroom that can hold the request's KV."""
+    """Pick a decode replica (see the module docstring's decode rule).
+
+    Returns ``(replica_id, "decode_headroom")``, or ``(None, "no_decode_headroom")`` when no
+    healthy replica has room for ``req``'s expected output and prompt blocks.
+    """
+    ranked = rank_decode(req, replicas, kv_guard_blocks)
+    if not ranked:
+        return None, "no_decode_headroom"
+    return ranked[0], "decode_headroom"
+
+
+def rank_decode(
+    req: RouteRequest, replicas: Sequence[DecodeReplicaLoad], kv_guard_blocks: int = 0
+) -> list[str]:
+    """Every decode replica that fits ``req``, best first (the rule of :func:`choose_decode`)."""
     r_i = max(1, req.expected_output_tokens)
     fits = [
         d
         for d in replicas
         if d.healthy
         and d.window_tokens - d.token_load >= r_i
-        and d.free_kv_blocks >= req.prompt_blocks + cfg.decode_kv_guard_blocks
+        and d.free_kv_blocks >= req.prompt_blocks + kv_guard_blocks
     ]
-    if not fits:
-        return None, "no_decode_headroom"
 
-    def key(d: DecodeReplicaLoad) -> tuple[float, float, str]:
+    def key(d: DecodeReplicaLoad) -> tuple[int, float, float, str]:
         headroom = (d.window_tokens - d.token_load) / max(1.0, d.window_tokens)
-        return (-headroom, -d.free_kv_blocks / max(1, d.total_kv_blocks), d.replica_id)
+        free = d.free_kv_blocks / max(1, d.total_kv_blocks)
+        return (d.outstanding, -headroom, -free, d.replica_id)
 
-    return min(fits, key=key).replica_id, "decode_headroom"
+    return [d.replica_id for d in sorted(fits, key=key)]
 
 
 def route(
@@ -288,7 +317,7 @@ def route(
     expire). ``decode=None`` routes prefill only (prefill-node simulations)."""
     d_id: str | None = None
     if decode is not None:
-        d_id, d_reason = choose_decode(req, decode, cfg)
+        d_id, d_reason = choose_decode(req, decode, cfg.decode_kv_guard_blocks)
         if d_id is None:
             return state.count("hold"), RouteDecision(None, None, "hold", d_reason)
     state, p_id, reason, matched, score = choose_prefill(state, req, prefill, matches, cfg, now)

@@ -15,9 +15,10 @@ called once per arrival (and per retry of a held request).
   this as ``fast_loading``: 1 s instead of 10 s) and while a container is starting,
   requests beyond the warm ones' target wait for it instead of waking yet another.
   Live migration is not modelled.
-- :class:`HeadroomDispatch` (TWP): among the live containers whose published TWP
+- :class:`HeadroomDispatch` (TWP): :func:`controllers.routing.choose_decode`, the one
+  decode choice the live router uses too: among the live containers whose published TWP
   headroom ``H_t - K_t`` fits the request's ``L_hat`` and prompt blocks, the one with the
-  fewest outstanding requests (ties: most headroom), unless even that one holds
+  fewest outstanding requests (ties: larger headroom share, then free KV), unless even that one holds
   ``scale_out_load`` or more and a cold container exists (then the cold one: the same
   provisioning rule as :class:`LeastLoadedDispatch`, since the paper's token window "does
   not interact with container provisioning"); else a cold container; else
@@ -32,6 +33,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from controllers.routing import DecodeReplicaLoad, RouteRequest, choose_decode
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,13 +134,21 @@ class HeadroomDispatch:
         def room(c: ContainerView) -> float:
             return c.window_tokens - c.token_load
 
-        fits = [
-            c
+        loads = [
+            DecodeReplicaLoad(
+                replica_id=f"{c.index:08d}",
+                window_tokens=c.window_tokens,
+                token_load=c.token_load,
+                free_kv_blocks=c.free_blocks,
+                total_kv_blocks=c.total_blocks,
+                outstanding=c.outstanding,
+            )
             for c in live
-            if room(c) >= need and c.free_blocks >= req.prompt_blocks + self.kv_guard_blocks
         ]
-        if fits:
-            best = min(fits, key=lambda c: (c.outstanding, -room(c), c.index))
+        rreq = RouteRequest(req.request_id, req.prompt_tokens, need, req.prompt_blocks)
+        chosen, _ = choose_decode(rreq, loads, self.kv_guard_blocks)
+        if chosen is not None:
+            best = next(c for c in live if c.index == int(chosen))
             if best.outstanding < self.scale_out_load or not cold:
                 return best.index
         if cold:

@@ -152,3 +152,37 @@ def test_config_errors_name_the_field() -> None:
         RoutingConfig(hotspot_factor=1.0)
     with pytest.raises(ValueError, match="policy"):
         RoutingConfig(policy="random")  # type: ignore[arg-type]
+
+
+def test_decode_rule_headroom_filters_outstanding_balances() -> None:
+    """One rule for the live router and the decode simulator: fits first, then the fewest
+    outstanding, then the larger headroom share, the larger free-KV share, the id."""
+    from controllers.routing import choose_decode, rank_decode
+
+    req = RouteRequest("r", 500, expected_output_tokens=50, prompt_blocks=4)
+    loads = [
+        DecodeReplicaLoad("full", 400, 390, 100, 100, outstanding=0),  # no headroom
+        DecodeReplicaLoad("nokv", 400, 0, 3, 100, outstanding=0),  # prompt does not fit
+        DecodeReplicaLoad("busy", 400, 0, 100, 100, outstanding=5),
+        DecodeReplicaLoad("b", 400, 200, 50, 100, outstanding=1),
+        DecodeReplicaLoad("a", 400, 200, 80, 100, outstanding=1),
+        DecodeReplicaLoad("c", 400, 100, 10, 100, outstanding=1),
+    ]
+    assert rank_decode(req, loads) == ["c", "a", "b", "busy"]
+    assert choose_decode(req, loads) == ("c", "decode_headroom")
+    assert choose_decode(req, loads, kv_guard_blocks=100) == (None, "no_decode_headroom")
+
+
+def test_headroom_dispatch_uses_the_same_rule() -> None:
+    from controllers.decode.dispatch import ContainerView, DispatchRequest, HeadroomDispatch
+
+    d = HeadroomDispatch(hold_when_full=True)
+    views = [
+        ContainerView(0, True, False, 2, 100, 100, 400, 0),
+        ContainerView(1, True, False, 1, 100, 100, 400, 300),
+        ContainerView(2, True, False, 1, 100, 100, 400, 100),
+    ]
+    # 1 and 2 tie on outstanding; 2 has the larger headroom share
+    assert d.choose(DispatchRequest("r", 100, 1, 50), views) == 2
+    full = [ContainerView(0, True, False, 0, 100, 100, 40, 39)]
+    assert d.choose(DispatchRequest("r", 100, 1, 50), full) is None and d.held == 1
