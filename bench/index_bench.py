@@ -15,7 +15,9 @@ Lookups: ``lookups`` sequential ``match()`` calls on 64-block prompts, alternati
 *typical* (a random chain, so mostly 1-3 holders, cut after a random depth with an unseen
 tail), timed around the awaited call. ``lookup_ms`` summarises all of them; ``lookup_ms_hot``
 and ``lookup_ms_typical`` each half. For Redis, ``lookup_server_us_mean`` is Redis's own time
-per script call over the lookups (``INFO commandstats``).
+per script call over the lookups (``INFO commandstats``), so ``p50 - server time`` is roughly
+what the client and the loopback add; ``index_memory_mb`` is Redis's ``used_memory`` after the
+ingest (the server is the benchmark's own unless ``--redis-url`` is given).
 """
 
 from __future__ import annotations
@@ -150,6 +152,8 @@ async def _run(
 
     # The benchmark's own bookkeeping (millions of ints in lists) is no part of the system
     # under test; keep the cyclic GC from walking it during the timed lookups.
+    memory = getattr(index, "memory_bytes", None)
+    memory_mb = (await memory()) / 2**20 if memory is not None else None
     gc.collect()
     gc.freeze()
     server = getattr(index, "server_stats", None)
@@ -190,6 +194,7 @@ async def _run(
         "lookup_ms_hot": s_hot,
         "lookup_ms_typical": s_typ,
         "lookup_server_us_mean": server_us,
+        "index_memory_mb": memory_mb,
         "ingest_events_per_s": block_events / ingest_s if ingest_s > 0 else None,
         "ingest_block_events": block_events,
         "ingest_s": ingest_s,

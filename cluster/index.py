@@ -2,11 +2,12 @@
 
 Block hashes are the unsigned 64-bit ints of :mod:`cluster.hashing` (the form vLLM's KV events
 carry). Each replica has an *epoch*: :meth:`PrefixIndex.register` starts a new one (a restarted
-replica, or one whose event stream had a gap, starts clean). Entries live in one set per
-``replica:epoch``; lookups read only the sets of live epochs. So
-:meth:`PrefixIndex.drop_replica` is O(1) for the caller: it forgets the live epoch, the
-replica's entries become invisible at once, and the old set is freed (by Redis in the
-background, ``UNLINK``).
+replica, or one whose event stream had a gap, starts clean). Entries belong to one
+``(replica, epoch)`` (memory: one set each; Redis: that epoch's bit in a per-block bitmap, see
+:mod:`cluster.redis_index`); lookups see only live epochs. So :meth:`PrefixIndex.drop_replica`
+is O(1) for the caller: it forgets the live epoch and the replica's entries become invisible at
+once; their memory is freed at once (memory) or by an incremental sweep that rides on the next
+writes and heartbeats (Redis).
 
 Contract, shared by every backend (``tests/contract/test_prefix_index_contract.py``):
 
@@ -106,7 +107,7 @@ class PrefixIndex(Protocol):
 
 
 class MemoryPrefixIndex:
-    """In-process backend, same layout as Redis: one set of block hashes per (replica, epoch).
+    """In-process backend: one set of block hashes per (replica, epoch).
 
     Not thread-safe: one event loop owns it.
     """

@@ -1,143 +1,317 @@
-"""Redis backend of the prefix index (redis-py's asyncio client, server-side Lua scripts).
+"""Redis backend of the prefix index (server-side Lua scripts over redis-py's asyncio client,
+which parses replies with hiredis when it is installed).
 
 Key layout, all under the namespace ``N = pdx:{<app>:<deployment>}:`` (two apps, or the prefill
 and decode pools, never share a key; the braces are a Redis Cluster hash tag, so all keys of
-one namespace sit in one slot):
+one namespace sit in one slot, and every script declares every key it touches):
 
-=========================  ======  ==========================================================
-key                        type    content
-=========================  ======  ==========================================================
-``N live``                 HASH    replica -> live epoch (absent: dropped or never registered)
-``N epochs``               HASH    replica -> last epoch handed out (kept after a drop, so a
-                                   restarted replica gets a larger epoch and starts clean)
-``N seen``                 ZSET    replica -> time of its last heartbeat/register (caller's
-                                   clock, seconds); read only when ``liveness_ttl_s`` is set
-``N r:<replica>:<epoch>``  SET     the block hashes the replica holds in that epoch, each as
-                                   8 bytes (the unsigned 64-bit hash, big-endian)
-=========================  ======  ==========================================================
+=============  ======  ==========================================================================
+key            type    content
+=============  ======  ==========================================================================
+``N live``     HASH    replica -> live epoch (absent: dropped or never registered)
+``N epochs``   HASH    replica -> last epoch handed out (kept after a drop, so a restarted
+                       replica gets a larger epoch and starts clean)
+``N seen``     ZSET    replica -> time of its last heartbeat/register (caller's clock, seconds);
+                       read only when ``liveness_ttl_s`` is set
+``N slots``    HASH    replica -> its *slot* (a small int) for the live epoch; same fields as
+                       ``live``
+``N blocks``   HASH    block hash (8 bytes, the unsigned 64-bit hash, big-endian) -> holder
+                       bitmap: slot ``s`` is bit ``s % 8`` of byte ``s // 8`` (byte 0 first);
+                       trailing zero bytes are trimmed and a block no slot holds has no field
+``N retired``  HASH    slot -> sweep pass that frees it: slots of dropped or superseded epochs
+                       whose bits may still be set in ``blocks``
+``N free``     ZSET    slots that no block mentions any more, ready for reuse (score = slot)
+``N meta``     HASH    ``next`` (slots ever made), ``cursor`` and ``pass`` of the sweep
+=============  ======  ==========================================================================
 
-Every operation is one script call, so one round trip. ``match`` reads ``live`` (and ``seen``),
-then for each live replica probes its set for the first block (``SISMEMBER``) and, on a hit,
-for the rest (``SMISMEMBER``), counting the leading hits up to the first miss (at most
-``replicas x blocks`` set probes, all server-side).
-``record``/``evict`` are one ``SADD``/``SREM`` of up to ``write_batch`` hashes and check the live
-epoch in the same script, so a dropped replica is never resurrected by a late write.
-``register`` and ``drop_replica`` ``UNLINK`` the old epoch's set (freed in Redis's background
-thread), so both are O(1) for the caller. After a Redis restart ``live`` is empty, every write
-answers ``False``, and the feed re-registers and re-records from its in-memory block sets.
+Lookups cost O(blocks), not O(replicas x blocks): ``match`` reads ``slots`` (and ``seen``),
+then fetches the bitmaps of the prompt's blocks with ``HMGET`` in growing slices (8, 32, 128,
+... blocks, so a prompt that misses early costs few probes) and narrows the set of replicas
+still matching; a bitmap equal to the previous one (Lua strings are interned: one pointer
+compare) cannot narrow it, which makes a prefix that every replica holds nearly free. The scan
+stops at the first block no live replica holds. ``record``/``evict`` read the bitmaps of up to
+``write_batch`` blocks and write back the changed ones (two ``HMGET``/``HSET`` calls), after
+reading the replica's slot in the same script, so a dropped replica is never resurrected by a
+late write.
 
-The per-replica set keys are derived inside the scripts from ``live``; that is fine on a
-standalone Redis (the target here) and within one slot of a cluster, but they are not declared
-as ``KEYS``, so a proxy that routes by declared keys only must route on ``N live``.
+Epochs and freeing: a slot belongs to one ``(replica, epoch)``. ``register`` and
+``drop_replica`` move the old slot to ``retired`` and delete it from ``slots``, so its entries
+vanish from lookups at once, in O(1). A slot is handed out again only after an incremental
+*sweep* has cleared its bits from every block: each ``record``/``evict``/``heartbeat`` call
+while ``retired`` is not empty also scans ``SWEEP_COUNT`` fields of ``blocks`` (``HSCAN``,
+which returns every field present for a whole pass at least once), clearing retired bits and
+deleting fields left empty. A slot retired before a pass starts is freed when that pass ends
+(retired mid-pass: at the end of the next one), so no stale bit ever shows under a reused slot.
+The memory of a dropped replica's entries is thus returned over the following writes (a pass
+over ``B`` blocks takes ``B / SWEEP_COUNT`` calls) rather than at once; :meth:`sweep` drives
+it by hand. After a Redis restart ``live`` is empty, every write answers ``False``, and the feed
+re-registers and re-records from its in-memory block sets.
 """
 
 from __future__ import annotations
 
+import struct
 import time
 from collections.abc import Sequence
 from typing import Any
 
 from cluster.index import Clock, IndexConfig
 
-# Hashes travel as one argument, 8 bytes each, and are split here: redis-py spends ~5 us
-# packing each separate argument, Lua ~0.1 us per string.sub.
-_SPLIT = """
-local function split(s)
+SWEEP_COUNT = 256
+"""Fields of ``N blocks`` one write or heartbeat sweeps while some slot is retired."""
+
+# Hashes travel as one argument, 8 bytes each, and are cut here: redis-py spends ~5 us packing
+# each separate argument, Lua ~0.3 us per string.sub. Bitmaps are edited with arithmetic
+# (bytes < 256, masks are powers of two). unpack() fails near 8,000 values: calls take at most
+# 4,096 blocks (HMGET) or 2,048 field/value pairs (HSET).
+_BITS = """
+local function cut(s, i, j)
   local t = {}
-  for i = 1, #s, 8 do t[#t + 1] = string.sub(s, i, i + 7) end
+  for b = i, j do t[#t + 1] = string.sub(s, b * 8 - 7, b * 8) end
   return t
+end
+
+local function has(v, bi, m)
+  local c = string.byte(v, bi)
+  return c ~= nil and c % (m + m) >= m
 end
 """
 
-# KEYS[1]=live KEYS[2]=seen; ARGV[1]=namespace ARGV[2]=liveness floor or '' ARGV[3]=hashes
-_MATCH = (
-    _SPLIT
+# Every script but match: KEYS = live epochs seen slots blocks meta free retired
+_LIB = (
+    _BITS
     + """
-local hs = split(ARGV[3])
-local live = redis.call('HGETALL', KEYS[1])
-local ttl = ARGV[2] ~= ''
-local floor = ttl and tonumber(ARGV[2]) or 0
-local out = {}
-for i = 1, #live, 2 do
-  local r = live[i]
-  local ok = true
-  if ttl then
-    local s = redis.call('ZSCORE', KEYS[2], r)
-    ok = s and tonumber(s) >= floor
+local K_LIVE, K_EPOCHS, K_SEEN, K_SLOTS = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
+local K_BLOCKS, K_META, K_FREE, K_RETIRED = KEYS[5], KEYS[6], KEYS[7], KEYS[8]
+
+-- v with d (+mask or -mask) added to byte bi (1-based), zero-padded; trailing zeros trimmed
+local function flip(v, bi, d)
+  if #v < bi then v = v .. string.rep('\\0', bi - #v) end
+  v = string.sub(v, 1, bi - 1) .. string.char(string.byte(v, bi) + d) .. string.sub(v, bi + 1)
+  local e = #v
+  while e > 0 and string.byte(v, e) == 0 do e = e - 1 end
+  return string.sub(v, 1, e)
+end
+
+local function bitpos(slot)
+  local s = tonumber(slot)
+  return math.floor(s / 8) + 1, 2 ^ (s % 8)
+end
+
+-- write changed bitmaps: set = {field, value, ...}, del = {field, ...}
+local function store(set, del)
+  for i = 1, #set, 4096 do
+    redis.call('HSET', K_BLOCKS, unpack(set, i, math.min(#set, i + 4095)))
   end
-  local key = ARGV[1] .. 'r:' .. r .. ':' .. live[i + 1]
-  -- most replicas lack the first block: one cheap probe before the bulk one
-  if ok and redis.call('SISMEMBER', key, hs[1]) == 1 then
-    -- slices of 4,096: Lua's unpack fails near 8,000 values (a 128k-token prompt at 16)
-    local n = 1
-    local i = 2
-    while i <= #hs do
-      local j = math.min(#hs, i + 4095)
-      local hits = redis.call('SMISMEMBER', key, unpack(hs, i, j))
-      local k = 1
-      while k <= #hits and hits[k] == 1 do k = k + 1 end
-      n = n + k - 1
-      if k <= #hits then break end
-      i = j + 1
+  for i = 1, #del, 4096 do
+    redis.call('HDEL', K_BLOCKS, unpack(del, i, math.min(#del, i + 4095)))
+  end
+end
+
+local function retire(slot)
+  local st = redis.call('HMGET', K_META, 'cursor', 'pass')
+  local pass = tonumber(st[2] or '0')
+  if st[1] and st[1] ~= '0' then pass = pass + 1 end  -- mid-pass: the next pass frees it
+  redis.call('HSET', K_RETIRED, slot, pass)
+end
+
+-- One sweep step over up to ~count fields; returns 1 when no slot is left retired.
+local function sweep(count)
+  local ret = redis.call('HGETALL', K_RETIRED)
+  if #ret == 0 then return 1 end
+  local bis, ms = {}, {}
+  for i = 1, #ret, 2 do bis[#bis + 1], ms[#ms + 1] = bitpos(ret[i]) end
+  local st = redis.call('HMGET', K_META, 'cursor', 'pass')
+  local pass = tonumber(st[2] or '0')
+  local res = redis.call('HSCAN', K_BLOCKS, st[1] or '0', 'COUNT', count)
+  local kv, set, del = res[2], {}, {}
+  for i = 1, #kv, 2 do
+    local v = kv[i + 1]
+    local w = v
+    for k = 1, #bis do
+      if has(w, bis[k], ms[k]) then w = flip(w, bis[k], -ms[k]) end
     end
-    out[#out + 1] = r; out[#out + 1] = n
+    if w ~= v then
+      if w == '' then del[#del + 1] = kv[i] else set[#set + 1] = kv[i]; set[#set + 1] = w end
+    end
   end
+  store(set, del)
+  if res[1] ~= '0' then
+    redis.call('HSET', K_META, 'cursor', res[1])
+    return 0
+  end
+  local left = 0
+  for i = 1, #ret, 2 do
+    if tonumber(ret[i + 1]) <= pass then
+      redis.call('HDEL', K_RETIRED, ret[i])
+      redis.call('ZADD', K_FREE, ret[i], ret[i])
+    else
+      left = left + 1
+    end
+  end
+  redis.call('HSET', K_META, 'cursor', '0', 'pass', pass + 1)
+  return left == 0 and 1 or 0
+end
+"""
+)
+
+# KEYS[1]=slots KEYS[2]=seen KEYS[3]=blocks; ARGV[1]=liveness floor or '' ARGV[2]=hashes
+_MATCH = """
+local sl = redis.call('HGETALL', KEYS[1])
+if #sl == 0 then return {} end
+local fresh = nil
+if ARGV[1] ~= '' then
+  fresh = {}
+  for _, r in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], ARGV[1], '+inf')) do fresh[r] = true end
+end
+local names, bis, ms, run = {}, {}, {}, {}
+for i = 1, #sl, 2 do
+  if not fresh or fresh[sl[i]] then
+    local s = tonumber(sl[i + 1])
+    names[#names + 1] = sl[i]
+    bis[#bis + 1] = math.floor(s / 8) + 1
+    ms[#ms + 1] = 2 ^ (s % 8)
+    run[#run + 1] = #names
+  end
+end
+local hs = ARGV[2]
+local nb = #hs / 8
+local out, depth, last, size, gap = {}, 0, nil, 8, false
+-- run: replicas holding every block so far; a replica leaving at block b held b - 1
+while not gap and depth < nb and #run > 0 do
+  local j = math.min(nb, depth + size)
+  local vals = redis.call('HMGET', KEYS[3], unpack(cut(hs, depth + 1, j)))
+  for k = 1, #vals do
+    local v = vals[k]
+    if not v then gap = true; break end
+    if v ~= last then
+      local keep = {}
+      for _, i in ipairs(run) do
+        if has(v, bis[i], ms[i]) then
+          keep[#keep + 1] = i
+        elseif depth > 0 then
+          out[#out + 1] = names[i]; out[#out + 1] = depth
+        end
+      end
+      run, last = keep, v
+      if #run == 0 then break end
+    end
+    depth = depth + 1
+  end
+  size = math.min(size * 4, 4096)
+end
+if depth > 0 then
+  for _, i in ipairs(run) do out[#out + 1] = names[i]; out[#out + 1] = depth end
 end
 return out
 """
-)
 
-# KEYS[1]=live; ARGV[1]=namespace ARGV[2]=replica ARGV[3]=hashes
-_WRITE = (
-    _SPLIT
-    + """
-local e = redis.call('HGET', KEYS[1], ARGV[2])
-if not e then return -1 end
-if #ARGV[3] == 0 then return 0 end
-return redis.call('{op}', ARGV[1] .. 'r:' .. ARGV[2] .. ':' .. e, unpack(split(ARGV[3])))
+# ARGV[1]=replica ARGV[2]=hashes ARGV[3]=sweep count; -1 when the replica is not live
+_RECORD = """
+local slot = redis.call('HGET', K_SLOTS, ARGV[1])
+if not slot then return -1 end
+local bi, m = bitpos(slot)
+local nb = #ARGV[2] / 8
+local set, n = {}, 0
+for i = 1, nb, 4096 do
+  local hs = cut(ARGV[2], i, math.min(nb, i + 4095))
+  local vals = redis.call('HMGET', K_BLOCKS, unpack(hs))
+  for k = 1, #hs do
+    local v = vals[k] or ''
+    if not has(v, bi, m) then
+      set[#set + 1] = hs[k]; set[#set + 1] = flip(v, bi, m); n = n + 1
+    end
+  end
+end
+store(set, {})
+sweep(tonumber(ARGV[3]))
+return n
 """
-)
 
-# KEYS[1]=live KEYS[2]=epochs KEYS[3]=seen; ARGV[1]=namespace ARGV[2]=replica ARGV[3]=now
+_EVICT = """
+local slot = redis.call('HGET', K_SLOTS, ARGV[1])
+if not slot then return -1 end
+local bi, m = bitpos(slot)
+local nb = #ARGV[2] / 8
+local set, del, n = {}, {}, 0
+for i = 1, nb, 4096 do
+  local hs = cut(ARGV[2], i, math.min(nb, i + 4095))
+  local vals = redis.call('HMGET', K_BLOCKS, unpack(hs))
+  for k = 1, #hs do
+    local v = vals[k]
+    if v and has(v, bi, m) then
+      local w = flip(v, bi, -m)
+      if w == '' then del[#del + 1] = hs[k] else set[#set + 1] = hs[k]; set[#set + 1] = w end
+      n = n + 1
+    end
+  end
+end
+store(set, del)
+sweep(tonumber(ARGV[3]))
+return n
+"""
+
+# ARGV[1]=replica ARGV[2]=now
 _REGISTER = """
-local old = redis.call('HGET', KEYS[1], ARGV[2])
-if old then redis.call('UNLINK', ARGV[1] .. 'r:' .. ARGV[2] .. ':' .. old) end
-local e = redis.call('HINCRBY', KEYS[2], ARGV[2], 1)
-redis.call('HSET', KEYS[1], ARGV[2], e)
-redis.call('ZADD', KEYS[3], ARGV[3], ARGV[2])
+local old = redis.call('HGET', K_SLOTS, ARGV[1])
+if old then retire(old) end
+local e = redis.call('HINCRBY', K_EPOCHS, ARGV[1], 1)
+local free = redis.call('ZPOPMIN', K_FREE)
+local slot = free[1] or (redis.call('HINCRBY', K_META, 'next', 1) - 1)
+redis.call('HSET', K_LIVE, ARGV[1], e)
+redis.call('HSET', K_SLOTS, ARGV[1], slot)
+redis.call('ZADD', K_SEEN, ARGV[2], ARGV[1])
 return e
 """
 
-# KEYS[1]=live KEYS[2]=seen; ARGV[1]=namespace ARGV[2]=replica
+# ARGV[1]=replica
 _DROP = """
-local old = redis.call('HGET', KEYS[1], ARGV[2])
-if old then redis.call('UNLINK', ARGV[1] .. 'r:' .. ARGV[2] .. ':' .. old) end
-redis.call('HDEL', KEYS[1], ARGV[2])
-redis.call('ZREM', KEYS[2], ARGV[2])
+local old = redis.call('HGET', K_SLOTS, ARGV[1])
+if old then retire(old) end
+redis.call('HDEL', K_LIVE, ARGV[1])
+redis.call('HDEL', K_SLOTS, ARGV[1])
+redis.call('ZREM', K_SEEN, ARGV[1])
 return old and 1 or 0
 """
 
-# KEYS[1]=live KEYS[2]=seen; ARGV[1]=replica ARGV[2]=now
+# ARGV[1]=replica ARGV[2]=now ARGV[3]=sweep count
 _HEARTBEAT = """
-if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then return 0 end
-redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
+if redis.call('HEXISTS', K_LIVE, ARGV[1]) == 0 then return 0 end
+redis.call('ZADD', K_SEEN, ARGV[2], ARGV[1])
+sweep(tonumber(ARGV[3]))
 return 1
+"""
+
+# ARGV[1]=count; 1 when nothing is left to sweep
+_SWEEP = """
+return sweep(tonumber(ARGV[1]))
 """
 
 
 def _pack(hashes: Sequence[int]) -> bytes:
-    return b"".join([h.to_bytes(8, "big") for h in hashes])
+    return struct.pack(f">{len(hashes)}Q", *hashes)
+
+
+def _bits(bitmap: bytes, slots: set[int] | None = None) -> int:
+    """Set bits of ``bitmap`` (all, or only those of ``slots``)."""
+    if slots is None:
+        return sum(bin(c).count("1") for c in bitmap)
+    return sum(1 for s in slots if s // 8 < len(bitmap) and bitmap[s // 8] >> (s % 8) & 1)
 
 
 class RedisPrefixIndex:
     """The prefix index in Redis; satisfies :class:`cluster.index.PrefixIndex`.
 
     ``client`` may be passed in (a ``redis.asyncio.Redis`` with ``decode_responses=False``);
-    otherwise one is built from ``config.redis_url``.
+    otherwise one is built from ``config.redis_url`` (redis-py parses replies with hiredis when
+    it is installed, as the ``cluster`` extra does).
     """
 
     def __init__(
-        self, config: IndexConfig, clock: Clock = time.time, client: Any | None = None
+        self,
+        config: IndexConfig,
+        clock: Clock = time.time,
+        client: Any | None = None,
     ) -> None:
         import redis.asyncio as aioredis
 
@@ -149,35 +323,35 @@ class RedisPrefixIndex:
             socket_timeout=config.socket_timeout_s,
             socket_connect_timeout=config.socket_timeout_s,
         )
-        self._ns = config.namespace
-        self._live = self._ns + "live"
-        self._epochs = self._ns + "epochs"
-        self._seen = self._ns + "seen"
-        self._match = self._r.register_script(_MATCH)
-        self._record = self._r.register_script(_WRITE.replace("{op}", "SADD"))
-        self._evict = self._r.register_script(_WRITE.replace("{op}", "SREM"))
-        self._register = self._r.register_script(_REGISTER)
-        self._drop = self._r.register_script(_DROP)
-        self._heartbeat = self._r.register_script(_HEARTBEAT)
-
-    def set_key(self, replica: str, epoch: int) -> str:
-        """The key of a replica's block set in one epoch."""
-        return f"{self._ns}r:{replica}:{epoch}"
+        self._ns = ns = config.namespace
+        self._live, self._slots, self._blocks = ns + "live", ns + "slots", ns + "blocks"
+        self._seen = ns + "seen"
+        self._keys = [
+            self._live, ns + "epochs", self._seen, self._slots,
+            self._blocks, ns + "meta", ns + "free", ns + "retired",
+        ]  # fmt: skip
+        self._match_keys = [self._slots, self._seen, self._blocks]
+        lib = self._r.register_script
+        self._match = lib(_BITS + _MATCH)
+        self._record = lib(_LIB + _RECORD)
+        self._evict = lib(_LIB + _EVICT)
+        self._register = lib(_LIB + _REGISTER)
+        self._drop = lib(_LIB + _DROP)
+        self._heartbeat = lib(_LIB + _HEARTBEAT)
+        self._sweep = lib(_LIB + _SWEEP)
 
     def _floor(self) -> str:
         ttl = self.config.liveness_ttl_s
         return "" if ttl is None else repr(self._clock() - ttl)
 
     async def register(self, replica: str) -> int:
-        keys = [self._live, self._epochs, self._seen]
-        args = [self._ns, replica, repr(self._clock())]
-        return int(await self._register(keys=keys, args=args))
+        return int(await self._register(keys=self._keys, args=[replica, repr(self._clock())]))
 
     async def _write(self, script: Any, replica: str, hashes: Sequence[int]) -> bool:
         step = self.config.write_batch
         for i in range(0, max(len(hashes), 1), step):
-            args: list[str | bytes] = [self._ns, replica, _pack(hashes[i : i + step])]
-            if int(await script(keys=[self._live], args=args)) < 0:
+            args = [replica, _pack(hashes[i : i + step]), SWEEP_COUNT]
+            if int(await script(keys=self._keys, args=args)) < 0:
                 return False
         return True
 
@@ -190,16 +364,15 @@ class RedisPrefixIndex:
     async def match(self, hashes: Sequence[int]) -> dict[str, int]:
         if not hashes:
             return {}
-        args: list[str | bytes] = [self._ns, self._floor(), _pack(hashes)]
-        flat = await self._match(keys=[self._live, self._seen], args=args)
+        flat = await self._match(keys=self._match_keys, args=[self._floor(), _pack(hashes)])
         return {flat[i].decode(): int(flat[i + 1]) for i in range(0, len(flat), 2)}
 
     async def drop_replica(self, replica: str) -> None:
-        await self._drop(keys=[self._live, self._seen], args=[self._ns, replica])
+        await self._drop(keys=self._keys, args=[replica])
 
     async def heartbeat(self, replica: str) -> bool:
-        keys = [self._live, self._seen]
-        return bool(await self._heartbeat(keys=keys, args=[replica, repr(self._clock())]))
+        args: list[str | int] = [replica, repr(self._clock()), SWEEP_COUNT]
+        return bool(await self._heartbeat(keys=self._keys, args=args))
 
     async def live_replicas(self) -> dict[str, int]:
         live: dict[Any, Any] = await self._r.hgetall(self._live)
@@ -211,13 +384,27 @@ class RedisPrefixIndex:
         seen = await self._r.zmscore(self._seen, list(out))
         return {r: e for (r, e), s in zip(out.items(), seen, strict=True) if s and s >= floor}
 
-    async def entry_count(self) -> int:
-        """Stored (block, replica) entries of live epochs (tests, benchmarks)."""
-        live = await self.live_replicas()
+    async def sweep(self, count: int = 4096) -> bool:
+        """One sweep step over about ``count`` blocks (writes and heartbeats run these by
+        themselves); ``True`` when no retired slot is left, i.e. every entry of a dropped or
+        superseded epoch has been freed."""
+        return bool(await self._sweep(keys=self._keys, args=[count]))
+
+    async def _count(self, slots: set[int] | None) -> int:
         n = 0
-        for r, e in live.items():
-            n += int(await self._r.scard(self.set_key(r, e)))
+        async for _, bitmap in self._r.hscan_iter(self._blocks, count=1000):
+            n += _bits(bytes(bitmap), slots)
         return n
+
+    async def entry_count(self) -> int:
+        """Stored (block, replica) entries of live epochs (tests, benchmarks; scans ``blocks``)."""
+        live = await self.live_replicas()
+        slots: dict[Any, Any] = await self._r.hgetall(self._slots)
+        return await self._count({int(s) for r, s in slots.items() if bytes(r).decode() in live})
+
+    async def stored_entries(self) -> int:
+        """Every (block, slot) bit still stored, retired slots included (tests)."""
+        return await self._count(None)
 
     async def server_stats(self, reset: bool = False) -> dict[str, float]:
         """Redis's own time per script call (``INFO commandstats``, all scripts, all clients);
@@ -228,6 +415,11 @@ class RedisPrefixIndex:
         stats: dict[str, Any] = await self._r.info("commandstats")
         ev = stats.get("cmdstat_evalsha", {"calls": 0, "usec": 0, "usec_per_call": 0.0})
         return {k: float(ev[k]) for k in ("calls", "usec", "usec_per_call")}
+
+    async def memory_bytes(self) -> int:
+        """Redis's ``used_memory`` (the whole server, not only this namespace; benchmarks)."""
+        info: dict[str, Any] = await self._r.info("memory")
+        return int(info["used_memory"])
 
     async def clear_namespace(self) -> int:
         """Delete every key of this namespace (tests, benchmarks); returns how many."""
