@@ -1,35 +1,17 @@
 """Starting an in-process vLLM engine with a pdserve scheduler (tests, profiler, benchmarks).
 
-Keeps the CPU-platform settings in one place (PLATFORM.md): engine in-process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so the live scheduler is reachable, both cores,
-eager mode, bfloat16, caches inside ``cache_dir``, offline hub. Every caller that starts an
-engine must hold the machine-wide lock (``flock /tmp/pdserve-heavy.lock``); the test fixture
-takes it itself.
+A thin front over :mod:`engines.launch`, the one place engines are described and started
+(the serving replicas use it too). Every caller that starts an engine must hold the
+machine-wide lock (``flock /tmp/pdserve-heavy.lock``); the test fixture takes it itself.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
-from engines.config import ADDITIONAL_CONFIG_KEY
-
-
-def engine_env(cache_dir: str | Path, kv_space_gib: int = 1) -> dict[str, str]:
-    """Environment variables for a CPU engine; ``setdefault``-applied by :func:`make_llm`."""
-    c = Path(cache_dir)
-    return {
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_CPU_KVCACHE_SPACE": str(kv_space_gib),
-        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "VLLM_CACHE_ROOT": str(c / "vllm"),
-        "TORCHINDUCTOR_CACHE_DIR": str(c / "inductor"),
-        "VLLM_NO_USAGE_STATS": "1",
-        "DO_NOT_TRACK": "1",
-    }
+from engines.config import EngineSchedulerConfig
+from engines.launch import EngineLaunch, start_llm
 
 
 def make_llm(
@@ -52,28 +34,56 @@ def make_llm(
     ``pdserve`` is the :class:`engines.config.EngineSchedulerConfig` as a dict.
     ``log_stats`` keeps vLLM's per-request timings (``RequestOutput.metrics``).
     """
-    for k, v in engine_env(cache_dir).items():
-        os.environ.setdefault(k, v)
-    from vllm import LLM
-
-    return LLM(
-        model=str(model),
-        tokenizer=str(model),
-        dtype="bfloat16",
-        enforce_eager=True,
-        enable_prefix_caching=True,
-        max_model_len=max_model_len,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_num_seqs=max_num_seqs,
-        long_prefill_token_threshold=long_prefill_token_threshold,
-        num_gpu_blocks_override=kv_blocks,
-        scheduler_cls=scheduler_cls,
-        additional_config={ADDITIONAL_CONFIG_KEY: pdserve or {}},
-        disable_log_stats=not log_stats,
-        seed=seed,
+    launch = EngineLaunch.model_validate(
+        {
+            "model": str(model),
+            "cache_dir": str(cache_dir),
+            "dtype": "bfloat16",
+            "max_model_len": max_model_len,
+            "max_num_batched_tokens": max_num_batched_tokens,
+            "max_num_seqs": max_num_seqs,
+            "long_prefill_token_threshold": long_prefill_token_threshold,
+            "kv_blocks": kv_blocks,
+            "scheduler_cls": scheduler_cls,
+            "scheduler": EngineSchedulerConfig.model_validate(pdserve or {}),
+            "log_stats": log_stats,
+            "seed": seed,
+        }
     )
+    return start_llm(launch)
 
 
 def live_scheduler(llm: Any) -> Any:
     """The scheduler object inside an in-process engine."""
     return llm.llm_engine.engine_core.engine_core.scheduler
+
+
+def load_report(scheduler: Any) -> dict[str, Any]:
+    """A replica's load as the routers read it, taken from a live scheduler (engine thread).
+
+    Keys: ``waiting``, ``running``, ``queued_uncached_tokens`` (waiting requests' tokens not
+    yet computed, less their cached prefix when a plug-in's prefix probe is there),
+    ``free_kv_blocks``,
+    ``total_kv_blocks``, ``kv_usage``, and for a TWP gate ``window_tokens`` and ``token_load``
+    (``None`` without one: no pacing limit).
+    """
+    pool = scheduler.kv_cache_manager.block_pool
+    waiting = list(scheduler.waiting)
+    running = list(scheduler.running)
+    probe = getattr(scheduler, "probe", None)  # the plug-ins' side-effect-free prefix probe
+    cached = probe.refresh(waiting) if probe is not None and waiting else {}
+    queued = sum(
+        max(0, r.num_tokens - max(r.num_computed_tokens, cached.get(r.request_id, 0)))
+        for r in waiting
+    )
+    gate = getattr(scheduler, "gate", None)
+    return {
+        "waiting": len(waiting),
+        "running": len(running),
+        "queued_uncached_tokens": queued,
+        "free_kv_blocks": int(pool.get_num_free_blocks()),
+        "total_kv_blocks": max(1, int(pool.num_gpu_blocks) - 1),
+        "kv_usage": float(scheduler.kv_cache_manager.usage),
+        "window_tokens": float(gate.window_tokens) if gate is not None else None,
+        "token_load": float(scheduler._running_token_load()) if gate is not None else None,
+    }

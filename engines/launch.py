@@ -1,0 +1,267 @@
+"""The one way to launch a vLLM engine: :class:`EngineLaunch`, its environment, its ``EngineArgs``.
+
+Every engine of the project (the serving replicas in ``deployments``, the profiler, the
+benchmarks, the test fixtures) is described by one validated :class:`EngineLaunch` and started
+through :func:`start_engine` (a ``vllm.LLMEngine``) or :func:`start_llm` (a ``vllm.LLM``). The
+CPU-platform settings (PLATFORM.md) live here and nowhere else: engine in-process
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the live scheduler is reachable), caches inside
+``cache_dir``, offline hub, no usage stats.
+
+This module imports no vLLM at import time: the serving layer validates an ``EngineLaunch``
+(including the scheduler plug-in's own config, :class:`engines.config.EngineSchedulerConfig`)
+at deploy time, so a bad setting fails ``serve deploy`` with the field named, not a replica
+later.
+
+Block hashing: ``hash_algo``, ``hash_seed`` and ``block_size`` are given to the engine
+(``prefix_caching_hash_algo``, ``PYTHONHASHSEED`` read by vLLM when the engine starts,
+``block_size``) from the same values the ingress hashes with, so both hash alike by
+construction (:mod:`cluster.hashing`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from engines.config import ADDITIONAL_CONFIG_KEY, EngineSchedulerConfig
+
+#: The scheduler plug-ins the project ships (``scheduler_cls`` must be one of them, or None).
+SHIPPED_SCHEDULERS: tuple[str, ...] = (
+    "engines.scheduler.FairwayScheduler",
+    "engines.scheduler.TWPScheduler",
+    "engines.scheduler.ColocatedScheduler",
+    "engines.scheduler.AsyncFairwayScheduler",
+    "engines.scheduler.AsyncTWPScheduler",
+    "engines.scheduler.AsyncColocatedScheduler",
+)
+SchedulerName = Literal[
+    "engines.scheduler.FairwayScheduler",
+    "engines.scheduler.TWPScheduler",
+    "engines.scheduler.ColocatedScheduler",
+    "engines.scheduler.AsyncFairwayScheduler",
+    "engines.scheduler.AsyncTWPScheduler",
+    "engines.scheduler.AsyncColocatedScheduler",
+]
+HashAlgo = Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class KVTransfer(_Strict):
+    """The engine's side of a NIXL prefill -> decode hand-off (the project's connector)."""
+
+    role: Literal["kv_producer", "kv_consumer"] = Field(
+        description="kv_producer on prefill engines, kv_consumer on decode engines."
+    )
+    side_channel_host: str = Field(
+        description="VLLM_NIXL_SIDE_CHANNEL_HOST: the address peers reach this engine at."
+    )
+    side_channel_port: int = Field(
+        ge=1024, le=65535, description="VLLM_NIXL_SIDE_CHANNEL_PORT; unique per engine on a node."
+    )
+    progress_thread: bool = Field(
+        default=False,
+        description="Keep NIXL's busy-polling progress thread (vLLM's stock behaviour).",
+    )
+    load_failure_policy: Literal["recompute", "fail"] = Field(
+        default="recompute", description="What a consumer does when a KV load fails."
+    )
+
+
+class KVEventsLaunch(_Strict):
+    """Where the engine publishes its KV-cache events (it binds; feeds connect)."""
+
+    port: int = Field(ge=1024, le=65535, description="ZMQ PUB port (bound on all interfaces).")
+    replay_port: int | None = Field(
+        default=None, ge=1024, le=65535, description="ZMQ ROUTER port for replays; None: none."
+    )
+    topic: str = Field(default="kv-events", description="Topic of the event frames.")
+
+    @model_validator(mode="after")
+    def _distinct(self) -> KVEventsLaunch:
+        if self.replay_port == self.port:
+            raise ValueError("replay_port: must differ from port")
+        return self
+
+    def vllm_config(self) -> dict[str, Any]:
+        """vLLM's ``kv_events_config`` (bind endpoints contain ``*``: vLLM binds only then)."""
+        cfg: dict[str, Any] = {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": f"tcp://*:{self.port}",
+            "topic": self.topic,
+        }
+        if self.replay_port is not None:
+            cfg["replay_endpoint"] = f"tcp://*:{self.replay_port}"
+        return cfg
+
+
+class EngineLaunch(_Strict):
+    """Everything needed to start one vLLM engine of this project."""
+
+    model: str = Field(min_length=1, description="Hugging Face model folder.")
+    served_name: str | None = Field(default=None, description="Model name the engine reports.")
+    cache_dir: str = Field(description="Folder for vLLM's and torch inductor's caches.")
+    max_model_len: int = Field(default=4096, ge=16, description="Longest prompt plus output.")
+    dtype: Literal["bfloat16", "float32", "float16", "auto"] = Field(
+        default="bfloat16", description="Weights' dtype."
+    )
+    enforce_eager: bool = Field(default=True, description="Skip graph capture / compilation.")
+    enable_prefix_caching: bool = Field(default=True, description="vLLM's local prefix cache.")
+    block_size: int = Field(default=128, ge=1, description="Tokens per KV block.")
+    hash_algo: HashAlgo = Field(default="sha256", description="prefix_caching_hash_algo.")
+    hash_seed: str | None = Field(
+        default=None,
+        pattern=r"^\d{1,10}$",
+        description="PYTHONHASHSEED the engine reads for its NONE_HASH (an integer, as Python "
+        "requires of the variable); None: unset.",
+    )
+    max_num_seqs: int = Field(default=64, ge=1, description="Most sequences in one batch.")
+    max_num_batched_tokens: int = Field(default=2048, ge=16, description="Step token budget.")
+    long_prefill_token_threshold: int = Field(
+        default=0, ge=0, description="vLLM's chunk size for long prefills (0: off)."
+    )
+    kv_blocks: int | None = Field(
+        default=None, ge=2, description="num_gpu_blocks_override: cap the KV cache (blocks)."
+    )
+    kv_cache_gib: int = Field(default=1, ge=1, description="VLLM_CPU_KVCACHE_SPACE (GiB).")
+    cpu_bind: str = Field(
+        default="auto",
+        pattern=r"^(auto|nobind|\d+(-\d+)?(,\d+(-\d+)?)*)$",
+        description="VLLM_CPU_OMP_THREADS_BIND ('auto', 'nobind' or a CPU list).",
+    )
+    scheduler_cls: SchedulerName | None = Field(
+        default=None, description="A shipped scheduler plug-in; None: vLLM's stock scheduler."
+    )
+    scheduler: EngineSchedulerConfig | None = Field(
+        default=None, description="The plug-in's parameters (additional_config['pdserve'])."
+    )
+    kv_transfer: KVTransfer | None = Field(default=None, description="NIXL hand-off; None: off.")
+    kv_events: KVEventsLaunch | None = Field(default=None, description="KV events; None: off.")
+    log_stats: bool = Field(default=True, description="Keep vLLM's per-step stats.")
+    seed: int = Field(default=0, ge=0, description="vLLM's sampling seed.")
+
+    @field_validator("scheduler")
+    @classmethod
+    def _profile_resolves(cls, v: EngineSchedulerConfig | None) -> EngineSchedulerConfig | None:
+        if v is not None and isinstance(v.profile, str):
+            try:
+                v.load_profile()
+            except Exception as e:  # a missing file or a bad shipped name
+                raise ValueError(f"profile: {v.profile!r} cannot be loaded: {e}") from None
+        return v
+
+    @model_validator(mode="after")
+    def _check(self) -> EngineLaunch:
+        if self.scheduler is not None and self.scheduler_cls is None:
+            raise ValueError("scheduler: set, but scheduler_cls is null (vLLM's stock one)")
+        if self.hash_algo.startswith("xxhash") and self.hash_seed is None:
+            raise ValueError(
+                f"hash_seed: hash_algo={self.hash_algo!r} without a seed gives every engine a "
+                "random NONE_HASH; set a seed or use sha256"
+            )
+        if self.max_num_batched_tokens < self.block_size:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} is below one KV block "
+                f"(block_size={self.block_size})"
+            )
+        return self
+
+
+def launch_env(launch: EngineLaunch) -> dict[str, str | None]:
+    """Environment of the engine's process; ``None`` means the variable must be unset.
+
+    Applied by :func:`apply_env` before vLLM reads it (vLLM reads ``PYTHONHASHSEED`` when the
+    engine core starts, and its ``VLLM_*`` variables when the engine is built).
+    """
+    c = Path(launch.cache_dir).expanduser()
+    env: dict[str, str | None] = {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": str(launch.kv_cache_gib),
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        "VLLM_CPU_OMP_THREADS_BIND": launch.cpu_bind,
+        "VLLM_CACHE_ROOT": str(c / "vllm"),
+        "TORCHINDUCTOR_CACHE_DIR": str(c / "inductor"),
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONHASHSEED": launch.hash_seed,
+    }
+    if launch.kv_transfer is not None:
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(launch.kv_transfer.side_channel_port)
+        env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = launch.kv_transfer.side_channel_host
+    return env
+
+
+def apply_env(env: Mapping[str, str | None], environ: Any = None) -> None:
+    """Set (or, for ``None``, remove) each variable in ``environ`` (``os.environ``)."""
+    target = os.environ if environ is None else environ
+    for k, v in env.items():
+        if v is None:
+            target.pop(k, None)
+        else:
+            target[k] = v
+
+
+def engine_args(launch: EngineLaunch) -> dict[str, Any]:
+    """Keyword arguments of ``vllm.EngineArgs`` for ``launch``."""
+    kw: dict[str, Any] = {
+        "model": launch.model,
+        "tokenizer": launch.model,
+        "max_model_len": launch.max_model_len,
+        "dtype": launch.dtype,
+        "enforce_eager": launch.enforce_eager,
+        "enable_prefix_caching": launch.enable_prefix_caching,
+        "block_size": launch.block_size,
+        "prefix_caching_hash_algo": launch.hash_algo,
+        "max_num_seqs": launch.max_num_seqs,
+        "max_num_batched_tokens": launch.max_num_batched_tokens,
+        "long_prefill_token_threshold": launch.long_prefill_token_threshold,
+        "num_gpu_blocks_override": launch.kv_blocks,
+        "disable_log_stats": not launch.log_stats,
+        "seed": launch.seed,
+    }
+    if launch.served_name:
+        kw["served_model_name"] = launch.served_name
+    if launch.scheduler_cls:
+        kw["scheduler_cls"] = launch.scheduler_cls
+        sched = launch.scheduler or EngineSchedulerConfig()
+        kw["additional_config"] = {ADDITIONAL_CONFIG_KEY: sched.model_dump(mode="json")}
+    t = launch.kv_transfer
+    if t is not None:
+        kw["kv_transfer_config"] = {
+            "kv_connector": "NixlConnector",
+            "kv_connector_module_path": "engines.nixl_connector",
+            "kv_role": t.role,
+            "kv_buffer_device": "cpu",
+            "kv_load_failure_policy": t.load_failure_policy,
+            "kv_connector_extra_config": {"nixl_progress_thread": t.progress_thread},
+        }
+    if launch.kv_events is not None:
+        kw["kv_events_config"] = launch.kv_events.vllm_config()
+    return kw
+
+
+def start_engine(launch: EngineLaunch, stat_loggers: list[Any] | None = None) -> Any:
+    """A ``vllm.LLMEngine`` for ``launch`` (environment applied first)."""
+    apply_env(launch_env(launch))
+    from vllm import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    return LLMEngine.from_engine_args(EngineArgs(**engine_args(launch)), stat_loggers=stat_loggers)
+
+
+def start_llm(launch: EngineLaunch) -> Any:
+    """A ``vllm.LLM`` for ``launch`` (environment applied first): tests, profiler, benchmarks."""
+    apply_env(launch_env(launch))
+    from vllm import LLM
+
+    return LLM(**engine_args(launch))
