@@ -68,3 +68,47 @@ def stop_redis(proc: subprocess.Popen[bytes]) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def start_redis_daemon(port: int, workdir: Path, timeout_s: float = 10.0) -> Path:
+    """Start a detached redis-server on 127.0.0.1:``port`` that outlives the caller (``pdserve
+    up``); returns its pidfile (``workdir/redis-<port>.pid``), which :func:`stop_redis_daemon`
+    reads. No persistence, like :func:`start_redis`."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        raise RedisNotFound("redis-server not on PATH (apt-get install redis-server)")
+    workdir.mkdir(parents=True, exist_ok=True)
+    pidfile = workdir / f"redis-{port}.pid"
+    subprocess.run(
+        [
+            exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+            "--appendonly", "no", "--dir", str(workdir), "--daemonize", "yes",
+            "--pidfile", str(pidfile), "--logfile", str(workdir / f"redis-{port}.log"),
+        ],
+        check=True,
+        timeout=timeout_s,
+    )  # fmt: skip
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if ping(port):
+            return pidfile
+        time.sleep(0.05)  # start-up poll
+    raise RuntimeError(f"redis-server did not answer on port {port} (see {workdir})")
+
+
+def stop_redis_daemon(pidfile: Path) -> bool:
+    """Stop the redis-server whose pidfile this is; False when it was not running."""
+    import os
+    import signal
+
+    try:
+        pid = int(pidfile.read_text().strip())
+    except (OSError, ValueError):
+        return False
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pidfile.unlink(missing_ok=True)
+        return False
+    pidfile.unlink(missing_ok=True)
+    return True

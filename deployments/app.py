@@ -2,9 +2,10 @@
 
 ``build_app(args)`` validates ``args`` into :class:`deployments.config.AppConfig` (a bad config
 fails here, at deploy time, with the field named), builds the model when it is missing and the
-config allows, and binds three deployments: ``prefill`` and ``decode`` (one
-:class:`~deployments.engine.EngineReplica` each, with the config's fractional ``num_cpus``) and
-the FastAPI ``ingress``.
+config allows, and binds three deployments: ``prefill`` and ``decode``
+(``num_replicas`` :class:`~deployments.engine.EngineReplica` each, with the config's fractional
+``num_cpus``, routed by :mod:`deployments.router` and reporting their load every
+``routing.stats_period_s``) and the FastAPI ``ingress``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 from fastapi import Request
 from ray import serve
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 
 from deployments.config import AppConfig, Role, load_app_config
 from deployments.engine import EngineReplica
@@ -28,7 +30,8 @@ class Ingress:
     """FastAPI ingress; see :mod:`deployments.ingress`."""
 
     def __init__(self, config: dict[str, Any], prefill: Any, decode: Any) -> None:
-        self.core = IngressCore(config, prefill, decode)
+        ctx = serve.get_replica_context()
+        self.core = IngressCore(config, prefill, decode, ctx.app_name, ctx.replica_id.unique_id)
 
     @api.post("/v1/completions")
     async def completions(self, request: Request, body: CompletionRequest) -> Any:
@@ -49,6 +52,10 @@ class Ingress:
     @api.get("/v1/pdserve/stats")
     async def stats(self) -> Any:
         return await self.core.stats()
+
+    @api.post("/v1/pdserve/route")
+    async def route(self, request: Request, body: CompletionRequest) -> Any:
+        return await self.core.explain(request, body)
 
 
 Engine: Any = serve.deployment(EngineReplica, name="engine")
@@ -76,6 +83,26 @@ def ensure_model(cfg: AppConfig) -> None:
             build_model(path, cfg.model.build_preset, cfg.model.build_seed)
 
 
+def request_router_config(cfg: AppConfig, role: Role) -> RequestRouterConfig:
+    """The Serve router of ``role``'s deployment for ``cfg.routing``."""
+    from deployments.router import DecodeRouter, PrefillRouter, ServeDefaultRouter
+
+    routing = cfg.routing.model_dump(mode="json")
+    cls: type = ServeDefaultRouter
+    kwargs: dict[str, Any] = {"routing": routing}
+    if cfg.routing.policy != "serve_default":
+        cls = PrefillRouter if role == "prefill" else DecodeRouter
+        if role == "decode":
+            kwargs["block_size"] = cfg.hashing.block_size
+    options: dict[str, Any] = {
+        "request_router_class": cls,
+        "request_router_kwargs": kwargs,
+        "request_routing_stats_period_s": cfg.routing.stats_period_s,
+        "request_routing_stats_timeout_s": max(1.0, 10 * cfg.routing.stats_period_s),
+    }
+    return RequestRouterConfig(**options)
+
+
 def build_app(args: dict[str, Any] | None = None) -> Application:
     """The PD application for ``args`` (a Serve YAML's ``args``; see ``AppConfig``)."""
     cfg = load_app_config(args or {})
@@ -87,13 +114,15 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         e = cfg.engine(role)
         engines[role] = Engine.options(
             name=role,
-            num_replicas=1,
+            num_replicas=e.num_replicas,
             max_ongoing_requests=e.max_ongoing_requests,
             ray_actor_options={"num_cpus": e.num_cpus},
             health_check_timeout_s=60,
+            request_router_config=request_router_config(cfg, role),
         ).bind(d, role)
     ingress: Any = Ingress
     return ingress.options(
+        num_replicas=cfg.ingress.num_replicas,
         max_ongoing_requests=cfg.ingress.max_ongoing_requests,
         ray_actor_options={"num_cpus": cfg.ingress.num_cpus},
     ).bind(d, engines["prefill"], engines["decode"])

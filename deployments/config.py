@@ -3,20 +3,27 @@ variables.
 
 ``AppConfig`` is what a Serve YAML's ``applications[].args`` holds (``deployments.app:build_app``
 validates it); every model forbids unknown keys, every field says what it is, bounds live in the
-types, and cross-field errors name the fields. ``apply_env_overrides`` is the only reader of
-``PDSERVE_*`` variables; ``engine_env`` computes the environment one engine replica runs under
-(its NIXL side-channel port, CPU binding, KV-cache size), so two replicas on one machine never
-share a port or a core by accident.
+types, and cross-field errors name the fields. The engines' own settings are validated here too
+(the scheduler class is a choice among the shipped ones; its parameters are
+:class:`engines.config.EngineSchedulerConfig`), so a bad plug-in setting fails the deploy.
+``apply_env_overrides`` is the only reader of ``PDSERVE_*`` variables. :func:`replica_ports` and
+:func:`engine_launch` turn the config into one replica's :class:`engines.launch.EngineLaunch`
+(its ports resolved per replica, so two replicas of one role on one node never collide).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from controllers.routing import RoutingConfig, RoutingName
+from engines.config import EngineSchedulerConfig
+from engines.launch import EngineLaunch, HashAlgo, KVEventsLaunch, KVTransfer, SchedulerName
 
 Port = Annotated[int, Field(ge=1024, le=65535)]
 Role = Literal["prefill", "decode"]
@@ -25,6 +32,7 @@ Role = Literal["prefill", "decode"]
 ENV_MODEL = "PDSERVE_MODEL"
 ENV_API_KEYS = "PDSERVE_API_KEYS"
 ENV_CACHE_DIR = "PDSERVE_CACHE_DIR"
+ENV_REDIS_URL = "PDSERVE_REDIS_URL"
 
 DEFAULT_CACHE_DIR = "~/.cache/pdserve"
 
@@ -65,33 +73,69 @@ class ModelConfig(_Strict):
         return Path(self.path).expanduser()
 
 
-class KVEventsEndpoint(_Strict):
-    """Where one engine publishes its KV-cache events (blocks stored / removed) over ZMQ."""
+class HashingConfig(_Strict):
+    """How KV blocks are hashed: given to every engine and to the ingress alike (one field)."""
 
-    endpoint: str = Field(
-        description="ZMQ PUB endpoint; vLLM binds only when it contains '*', e.g. 'tcp://*:5557'."
+    algo: HashAlgo = Field(
+        default="sha256", description="vLLM's prefix_caching_hash_algo, on every engine."
     )
-    replay_endpoint: str | None = Field(
-        default=None, description="ZMQ ROUTER endpoint for replaying missed batches; null: none."
+    seed: str | None = Field(
+        default="0",
+        pattern=r"^\d{1,10}$",
+        description="PYTHONHASHSEED every engine runs with (vLLM seeds its NONE_HASH with it) "
+        "and the ingress hashes with: an integer in [0, 4294967295] as a string (Python "
+        "refuses other values in the subprocesses vLLM starts); null: unset on the engines "
+        "(vLLM's fixed sha256 seed).",
     )
-    topic: str = Field(default="kv-events", description="ZMQ topic of the event frames.")
+    block_size: int = Field(default=128, ge=16, le=4096, description="Tokens per KV block.")
+    on_mismatch: Literal["tokens", "refuse"] = Field(
+        default="tokens",
+        description="What a prefill replica does when its start-up probe finds its engine's "
+        "block hashes differ from ours: 'tokens' re-hashes the token ids its KV events carry "
+        "(the index keeps working, counted in hash_fallbacks), 'refuse' fails the replica.",
+    )
 
-    @field_validator("endpoint", "replay_endpoint")
-    @classmethod
-    def _binds(cls, v: str | None) -> str | None:
-        if v is not None and "*" not in v:
+    @model_validator(mode="after")
+    def _seed(self) -> HashingConfig:
+        if self.seed is not None and int(self.seed) > 4294967295:
+            raise ValueError(f"hashing.seed: {self.seed} is above 4294967295")
+        if self.algo.startswith("xxhash") and self.seed is None:
             raise ValueError(
-                f"{v!r} has no '*': vLLM would connect instead of bind and nobody would "
-                "receive events; use e.g. 'tcp://*:5557'"
+                f"hashing.seed: algo={self.algo!r} needs a seed (unseeded xxhash engines get a "
+                "random NONE_HASH per process)"
             )
-        return v
+        return self
+
+    def hash_config(self) -> Any:
+        """The :class:`cluster.hashing.HashConfig` of these settings."""
+        from cluster.hashing import HashConfig
+
+        return HashConfig(algo=self.algo, block_size=self.block_size, seed=self.seed)
+
+
+class KVEventsConfig(_Strict):
+    """KV-cache events (blocks stored / removed) each engine replica publishes over ZMQ."""
+
+    enabled: bool = Field(default=True, description="Publish KV events (the index needs them).")
+    port: Port | None = Field(
+        default=None,
+        description="null: each replica binds a free port and reports it; a number: a base, "
+        "replica rank r binds port + 2r (and port + 2r + 1 for replays).",
+    )
+    replay: bool = Field(
+        default=True, description="Also bind a replay socket (feeds refill gaps from it)."
+    )
+    topic: str = Field(default="kv-events", min_length=1, description="ZMQ topic of the frames.")
 
 
 class EngineConfig(_Strict):
-    """One vLLM engine replica (prefill or decode) and its share of the machine."""
+    """One engine deployment (prefill or decode): its replicas and their share of the machine."""
 
+    num_replicas: int = Field(
+        default=1, ge=1, le=1024, description="Serve replicas of this role (one engine each)."
+    )
     num_cpus: float = Field(
-        gt=0, le=256, description="Ray logical CPUs the replica reserves (fractional on 2 cores)."
+        gt=0, le=256, description="Ray logical CPUs each replica reserves (fractional on 2 cores)."
     )
     cpu_bind: str = Field(
         default="auto",
@@ -99,19 +143,25 @@ class EngineConfig(_Strict):
         description="VLLM_CPU_OMP_THREADS_BIND: 'auto', 'nobind' or a CPU list such as '0' or "
         "'0-1' (not 'all').",
     )
-    nixl_side_channel_port: Port = Field(
-        description="VLLM_NIXL_SIDE_CHANNEL_PORT: the NIXL handshake port; unique per engine."
+    nixl_side_channel_port: Port | None = Field(
+        default=None,
+        description="VLLM_NIXL_SIDE_CHANNEL_PORT. null: each replica takes a free port (the "
+        "decode side learns it from the prefill's kv_transfer_params); a number: a base, "
+        "replica rank r uses port + r.",
     )
     nixl_side_channel_host: str = Field(
-        default="127.0.0.1", description="VLLM_NIXL_SIDE_CHANNEL_HOST the peer engine connects to."
+        default="auto",
+        min_length=1,
+        description="VLLM_NIXL_SIDE_CHANNEL_HOST peers connect to; 'auto': the node's IP as "
+        "Ray sees it.",
     )
     nixl_progress_thread: bool = Field(
         default=False,
         description="Keep NIXL's busy-polling progress thread (vLLM's stock behaviour). "
         "False: engines.nixl_connector rebuilds the agent without it.",
     )
-    kv_events: KVEventsEndpoint | None = Field(
-        default=None, description="KV-cache event publishing; null: off."
+    kv_events: KVEventsConfig = Field(
+        default_factory=KVEventsConfig, description="KV-cache event publishing."
     )
     kv_cache_gib: int = Field(
         default=1, ge=1, le=1024, description="VLLM_CPU_KVCACHE_SPACE: GiB of KV cache on CPU."
@@ -120,16 +170,22 @@ class EngineConfig(_Strict):
     max_num_batched_tokens: int = Field(
         default=4096, ge=16, le=1_000_000, description="Token budget of one engine step."
     )
-    scheduler_cls: str | None = Field(
+    scheduler_cls: SchedulerName | None = Field(
         default=None,
-        description="vLLM scheduler as 'module.Class' (e.g. the project's Fairway or TWP "
-        "plug-ins); null: vLLM's stock scheduler.",
+        description="A shipped scheduler plug-in (engines.scheduler.FairwayScheduler, "
+        "TWPScheduler, ColocatedScheduler, or their Async variants); null: vLLM's stock one.",
+    )
+    scheduler_config: EngineSchedulerConfig | None = Field(
+        default=None,
+        description="The plug-in's parameters (engines.config.EngineSchedulerConfig: "
+        "prefill_policy, gate, profile, ...), validated at deploy time and passed to vLLM as "
+        "additional_config={'pdserve': ...}.",
     )
     max_ongoing_requests: int = Field(
         default=256,
         ge=1,
         le=100_000,
-        description="Serve's cap on requests in flight at the replica.",
+        description="Serve's cap on requests in flight at one replica.",
     )
     enforce_eager: bool = Field(default=True, description="Skip graph capture / compilation.")
     enable_prefix_caching: bool = Field(default=True, description="vLLM's local prefix cache.")
@@ -139,12 +195,15 @@ class EngineConfig(_Strict):
         "(counted in the replica's kv_load_failures) or fail the request.",
     )
 
-    scheduler_config: dict[str, Any] | None = Field(
-        default=None,
-        description="Parameters of the project's scheduler plug-in, passed to vLLM as "
-        "additional_config={'pdserve': ...} (engines.config.EngineSchedulerConfig: "
-        "prefill_policy, gate, profile, ...); validated by the engine at start.",
-    )
+    @field_validator("scheduler_config")
+    @classmethod
+    def _profile_resolves(cls, v: EngineSchedulerConfig | None) -> EngineSchedulerConfig | None:
+        if v is not None and isinstance(v.profile, str):
+            try:
+                v.load_profile()
+            except Exception as e:  # a missing file or an unknown shipped name
+                raise ValueError(f"profile: {v.profile!r} cannot be loaded: {e}") from None
+        return v
 
     @model_validator(mode="after")
     def _config_needs_class(self) -> EngineConfig:
@@ -152,17 +211,13 @@ class EngineConfig(_Strict):
             raise ValueError("scheduler_config is set but scheduler_cls is null")
         return self
 
-    @field_validator("scheduler_cls")
-    @classmethod
-    def _dotted(cls, v: str | None) -> str | None:
-        if v is not None and "." not in v:
-            raise ValueError(f"{v!r} is not 'module.Class'")
-        return v
-
 
 class IngressConfig(_Strict):
     """The HTTP face: authentication, tenants and request limits."""
 
+    num_replicas: int = Field(
+        default=1, ge=1, le=1024, description="Ingress replicas (more than one needs Redis)."
+    )
     num_cpus: float = Field(
         default=0.25, gt=0, le=64, description="Ray logical CPUs of the ingress."
     )
@@ -187,6 +242,12 @@ class IngressConfig(_Strict):
     health_timeout_s: float = Field(
         default=5.0, gt=0, le=600, description="Longest wait for one engine's readiness probe."
     )
+    tokenize_off_loop_chars: int = Field(
+        default=2048,
+        ge=0,
+        description="Prompts longer than this (characters) are tokenized and hashed in a "
+        "worker thread, so the event loop keeps streaming other requests.",
+    )
 
     @field_validator("api_keys")
     @classmethod
@@ -198,70 +259,129 @@ class IngressConfig(_Strict):
 
 
 class IndexConfig(_Strict):
-    """The prefix index the ingress records requests' block hashes in."""
+    """The global prefix index the router consults (fed by the prefill engines' KV events)."""
 
-    backend: Literal["memory", "none"] = Field(
+    backend: Literal["memory", "redis", "none"] = Field(
         default="memory",
-        description="'memory': an in-process index (cluster/ when present); 'none': no index.",
+        description="'memory': in the ingress process (one ingress replica); 'redis': shared "
+        "by every ingress replica, each prefill replica writes its own entries; 'none': no "
+        "index (routing by load only).",
+    )
+    redis_url: str = Field(
+        default="redis://127.0.0.1:6379/0", description="redis:// URL of the Redis backend."
+    )
+    lookup_timeout_s: float = Field(
+        default=0.02,
+        gt=0,
+        le=5,
+        description="Longest wait for one index lookup; past it the request is routed by load "
+        "(counted as the index_unavailable fallback).",
+    )
+    liveness_ttl_s: float = Field(
+        default=5.0,
+        gt=0,
+        le=3600,
+        description="A prefill replica whose feed has not heartbeat for this long is ignored "
+        "by lookups (a backstop: Serve's replica set already filters crashed replicas).",
+    )
+    heartbeat_s: float = Field(default=1.0, gt=0, le=600, description="Feed heartbeat period (s).")
+
+    @field_validator("redis_url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"{v!r} is not a redis://, rediss:// or unix:// URL")
+        return v
+
+
+class AppRoutingConfig(RoutingConfig):
+    """Routing of both roles: the prefill policy of :mod:`controllers.routing`, or Serve's own."""
+
+    policy: RoutingName | Literal["serve_default"] = Field(  # type: ignore[assignment]
+        default="prefix_load",
+        description="Prefill routing: prefix_load (cache hit weighed against load), "
+        "round_robin, least_loaded, prefix_only, or serve_default (Serve's power-of-two "
+        "router, the plain baseline; decode then uses it too).",
+    )
+    stats_period_s: float = Field(
+        default=0.25,
+        gt=0,
+        le=0.5,
+        description="How often each engine replica reports its load to the routers "
+        "(request_routing_stats_period_s).",
+    )
+    expected_output_tokens: int = Field(
+        default=64,
+        ge=1,
+        description="Output tokens a request is expected to take when choosing a decode "
+        "replica by TWP headroom (min with its max_tokens).",
     )
 
 
 class AppConfig(_Strict):
-    """The whole prefill/decode application (one prefill and one decode deployment)."""
+    """The whole prefill/decode application."""
 
     model: ModelConfig = Field(default_factory=ModelConfig, description="The served model.")
+    hashing: HashingConfig = Field(
+        default_factory=HashingConfig, description="KV block hashing (engines and ingress)."
+    )
     prefill: EngineConfig = Field(
-        default_factory=lambda: EngineConfig(
-            num_cpus=1.0,
-            cpu_bind="0",
-            nixl_side_channel_port=5600,
-            kv_events=KVEventsEndpoint(endpoint="tcp://*:5557"),
-        ),
-        description="The prefill engine replica (kv_producer).",
+        default_factory=lambda: EngineConfig(num_cpus=1.0, cpu_bind="0"),
+        description="The prefill engine replicas (kv_producer).",
     )
     decode: EngineConfig = Field(
-        default_factory=lambda: EngineConfig(
-            num_cpus=1.0,
-            cpu_bind="1",
-            nixl_side_channel_port=5610,
-            kv_events=KVEventsEndpoint(endpoint="tcp://*:5567"),
-        ),
-        description="The decode engine replica (kv_consumer).",
+        default_factory=lambda: EngineConfig(num_cpus=1.0, cpu_bind="1"),
+        description="The decode engine replicas (kv_consumer).",
     )
     ingress: IngressConfig = Field(default_factory=IngressConfig, description="The HTTP ingress.")
     index: IndexConfig = Field(default_factory=IndexConfig, description="The prefix index.")
+    routing: AppRoutingConfig = Field(
+        default_factory=AppRoutingConfig, description="Routing of prefill and decode requests."
+    )
     cache_dir: str = Field(
         default=DEFAULT_CACHE_DIR,
         description="Folder for vLLM's and torch inductor's caches ('~' expands).",
     )
 
     @model_validator(mode="after")
-    def _distinct_resources(self) -> AppConfig:
-        p, d = self.prefill, self.decode
-        if p.nixl_side_channel_port == d.nixl_side_channel_port:
+    def _consistent(self) -> AppConfig:
+        if self.index.backend == "memory" and self.ingress.num_replicas > 1:
             raise ValueError(
-                "prefill.nixl_side_channel_port and decode.nixl_side_channel_port are both "
-                f"{p.nixl_side_channel_port}: each engine needs its own NIXL side-channel port"
+                f"index.backend: 'memory' keeps the index inside one ingress process, but "
+                f"ingress.num_replicas={self.ingress.num_replicas}; use 'redis'"
             )
-        if p.kv_events and d.kv_events:
-            pe = {p.kv_events.endpoint, p.kv_events.replay_endpoint} - {None}
-            de = {d.kv_events.endpoint, d.kv_events.replay_endpoint} - {None}
-            if pe & de:
-                raise ValueError(
-                    f"prefill.kv_events and decode.kv_events share {sorted(pe & de)}: each "  # type: ignore[type-var]
-                    "engine needs its own KV-events endpoint"
-                )
+        p, d = self.prefill, self.decode
+        _no_overlap(
+            "nixl_side_channel_port",
+            p.nixl_side_channel_port
+            and range(p.nixl_side_channel_port, p.nixl_side_channel_port + p.num_replicas),
+            d.nixl_side_channel_port
+            and range(d.nixl_side_channel_port, d.nixl_side_channel_port + d.num_replicas),
+        )
+        _no_overlap(
+            "kv_events.port",
+            p.kv_events.port and range(p.kv_events.port, p.kv_events.port + 2 * p.num_replicas),
+            d.kv_events.port and range(d.kv_events.port, d.kv_events.port + 2 * d.num_replicas),
+        )
         for role, e in (("prefill", p), ("decode", d)):
-            if e.max_num_batched_tokens < 128:
+            if e.max_num_batched_tokens < self.hashing.block_size:
                 raise ValueError(
                     f"{role}.max_num_batched_tokens={e.max_num_batched_tokens} is below one "
-                    "KV block (128 tokens on CPU)"
+                    f"KV block (hashing.block_size={self.hashing.block_size})"
                 )
         return self
 
     def engine(self, role: Role) -> EngineConfig:
         """The engine config of ``role``."""
         return self.prefill if role == "prefill" else self.decode
+
+
+def _no_overlap(name: str, a: range | None | int, b: range | None | int) -> None:
+    if isinstance(a, range) and isinstance(b, range) and set(a) & set(b):
+        raise ValueError(
+            f"prefill.{name} and decode.{name} give overlapping port ranges ({a.start}-"
+            f"{a.stop - 1} and {b.start}-{b.stop - 1}): each engine replica needs its own ports"
+        )
 
 
 def apply_env_overrides(
@@ -273,7 +393,8 @@ def apply_env_overrides(
 
     - ``PDSERVE_MODEL``: ``model.path``;
     - ``PDSERVE_API_KEYS``: ``ingress.api_keys`` as ``key1=tenant1,key2=tenant2``;
-    - ``PDSERVE_CACHE_DIR``: ``cache_dir``.
+    - ``PDSERVE_CACHE_DIR``: ``cache_dir``;
+    - ``PDSERVE_REDIS_URL``: ``index.redis_url`` (e.g. a Kubernetes Service's address).
 
     A malformed ``PDSERVE_API_KEYS`` is a ``ValueError`` naming the variable.
     """
@@ -283,6 +404,8 @@ def apply_env_overrides(
         out.setdefault("model", {})["path"] = env[ENV_MODEL]
     if env.get(ENV_CACHE_DIR):
         out["cache_dir"] = env[ENV_CACHE_DIR]
+    if env.get(ENV_REDIS_URL):
+        out.setdefault("index", {})["redis_url"] = env[ENV_REDIS_URL]
     if env.get(ENV_API_KEYS):
         keys: dict[str, str] = {}
         for item in env[ENV_API_KEYS].split(","):
@@ -307,65 +430,74 @@ def load_app_config(
     return AppConfig.model_validate(apply_env_overrides(raw or {}, environ))
 
 
-def engine_env(cfg: AppConfig, role: Role) -> dict[str, str]:
-    """Environment variables one engine replica must run under (set before vLLM is imported)."""
+@dataclass(frozen=True)
+class ReplicaPorts:
+    """The ports and address one engine replica binds (resolved when the replica starts)."""
+
+    host: str
+    nixl: int
+    kv_events: int | None
+    kv_replay: int | None
+
+
+def replica_ports(
+    cfg: AppConfig,
+    role: Role,
+    rank: int,
+    node_ip: str,
+    free_port: Callable[[], int],
+) -> ReplicaPorts:
+    """Ports of replica ``rank`` of ``role``: a configured base plus the rank, or free ports
+    (``free_port()``) when the config leaves them null, so two replicas of one role on one node
+    never collide. ``node_ip`` is used when ``nixl_side_channel_host`` is ``auto``."""
     e = cfg.engine(role)
-    cache = Path(cfg.cache_dir).expanduser()
-    return {
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_NO_USAGE_STATS": "1",
-        "DO_NOT_TRACK": "1",
-        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(e.nixl_side_channel_port),
-        "VLLM_NIXL_SIDE_CHANNEL_HOST": e.nixl_side_channel_host,
-        "VLLM_CPU_OMP_THREADS_BIND": e.cpu_bind,
-        "VLLM_CPU_KVCACHE_SPACE": str(e.kv_cache_gib),
-        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-        "VLLM_CACHE_ROOT": str(cache / "vllm"),
-        "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-    }
+    host = node_ip if e.nixl_side_channel_host == "auto" else e.nixl_side_channel_host
+    nixl = e.nixl_side_channel_port + rank if e.nixl_side_channel_port else free_port()
+    ev, replay = None, None
+    if e.kv_events.enabled:
+        ev = e.kv_events.port + 2 * rank if e.kv_events.port else free_port()
+        if e.kv_events.replay:
+            replay = e.kv_events.port + 2 * rank + 1 if e.kv_events.port else free_port()
+    return ReplicaPorts(host, nixl, ev, replay)
 
 
-def engine_args_kwargs(cfg: AppConfig, role: Role) -> dict[str, Any]:
-    """Keyword arguments of ``vllm.EngineArgs`` for ``role``'s engine.
+def engine_launch(cfg: AppConfig, role: Role, ports: ReplicaPorts) -> EngineLaunch:
+    """The :class:`engines.launch.EngineLaunch` of one replica of ``role``.
 
     Prefill is the NIXL ``kv_producer``, decode the ``kv_consumer``; both load the project's
-    connector (``engines.nixl_connector``) with the KV buffer on the CPU.
+    connector (``engines.nixl_connector``) with the KV buffer on the CPU, and hash blocks with
+    ``cfg.hashing`` (the ingress's own settings).
     """
     e = cfg.engine(role)
-    extra: dict[str, Any] = {"nixl_progress_thread": e.nixl_progress_thread}
-    kw: dict[str, Any] = {
-        "model": str(cfg.model.resolved_path()),
-        "served_model_name": cfg.model.served_name,
-        "max_model_len": cfg.model.max_model_len,
-        "dtype": cfg.model.dtype,
-        "enforce_eager": e.enforce_eager,
-        "enable_prefix_caching": e.enable_prefix_caching,
-        "max_num_seqs": e.max_num_seqs,
-        "max_num_batched_tokens": e.max_num_batched_tokens,
-        "kv_transfer_config": {
-            "kv_connector": "NixlConnector",
-            "kv_connector_module_path": "engines.nixl_connector",
-            "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
-            "kv_buffer_device": "cpu",
-            "kv_load_failure_policy": e.kv_load_failure_policy,
-            "kv_connector_extra_config": extra,
-        },
-    }
-    if e.scheduler_cls:
-        kw["scheduler_cls"] = e.scheduler_cls
-    if e.scheduler_config is not None:
-        kw["additional_config"] = {"pdserve": dict(e.scheduler_config)}
-    if e.kv_events is not None:
-        ev: dict[str, Any] = {
-            "enable_kv_cache_events": True,
-            "publisher": "zmq",
-            "endpoint": e.kv_events.endpoint,
-            "topic": e.kv_events.topic,
-        }
-        if e.kv_events.replay_endpoint:
-            ev["replay_endpoint"] = e.kv_events.replay_endpoint
-        kw["kv_events_config"] = ev
-    return kw
+    return EngineLaunch(
+        model=str(cfg.model.resolved_path()),
+        served_name=cfg.model.served_name,
+        cache_dir=str(Path(cfg.cache_dir).expanduser()),
+        max_model_len=cfg.model.max_model_len,
+        dtype=cfg.model.dtype,
+        enforce_eager=e.enforce_eager,
+        enable_prefix_caching=e.enable_prefix_caching,
+        block_size=cfg.hashing.block_size,
+        hash_algo=cfg.hashing.algo,
+        hash_seed=cfg.hashing.seed,
+        max_num_seqs=e.max_num_seqs,
+        max_num_batched_tokens=e.max_num_batched_tokens,
+        kv_cache_gib=e.kv_cache_gib,
+        cpu_bind=e.cpu_bind,
+        scheduler_cls=e.scheduler_cls,
+        scheduler=e.scheduler_config,
+        kv_transfer=KVTransfer(
+            role="kv_producer" if role == "prefill" else "kv_consumer",
+            side_channel_host=ports.host,
+            side_channel_port=ports.nixl,
+            progress_thread=e.nixl_progress_thread,
+            load_failure_policy=e.kv_load_failure_policy,
+        ),
+        kv_events=(
+            KVEventsLaunch(
+                port=ports.kv_events, replay_port=ports.kv_replay, topic=e.kv_events.topic
+            )
+            if ports.kv_events is not None
+            else None
+        ),
+    )

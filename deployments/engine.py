@@ -22,16 +22,20 @@ recomputing it, and failed KV loads (decode recomputes them: ``kv_load_failure_p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import queue
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
-from deployments.config import AppConfig, Role, engine_args_kwargs, engine_env
+from deployments.config import AppConfig, ReplicaPorts, Role, engine_launch, replica_ports
 from deployments.protocol import PREFILL_KV_PARAMS, EngineChunk, EngineRequest, Sampling
+from engines.launch import EngineLaunch, start_engine
+from engines.runtime import load_report
 
 
 @dataclass
@@ -106,17 +110,15 @@ class InProcessEngine:
     any number of coroutines of one event loop and yields that request's ``RequestOutput``s in
     order. The thread steps while the scheduler has requests (``has_requests()``, which also
     covers a connector's pending KV sends) and sleeps on an event otherwise, so an idle engine
-    costs no CPU.
+    costs no CPU. ``load`` is the scheduler's load report
+    (:func:`engines.runtime.load_report` plus ``ts``, wall-clock seconds), refreshed on the
+    engine thread after every step and when it goes idle.
     """
 
-    def __init__(self, engine_args: dict[str, Any], stat_loggers: list[Any]) -> None:
-        from vllm import EngineArgs
-        from vllm.v1.engine.llm_engine import LLMEngine
-
-        self.engine = LLMEngine.from_engine_args(
-            EngineArgs(**engine_args), stat_loggers=stat_loggers
-        )
-        self.scheduler = self.engine.engine_core.engine_core.scheduler  # type: ignore[attr-defined]
+    def __init__(self, launch: EngineLaunch, stat_loggers: list[Any]) -> None:
+        self.engine = start_engine(launch, stat_loggers)
+        self.scheduler = self.engine.engine_core.engine_core.scheduler
+        self.load: dict[str, Any] = {**load_report(self.scheduler), "ts": time.time()}
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = False
@@ -140,7 +142,10 @@ class InProcessEngine:
                             sink(out)
                             if out.finished:
                                 self._sinks.pop(out.request_id, None)
+                    # the routers' view, taken between steps on this thread (one reference swap)
+                    self.load = {**load_report(self.scheduler), "ts": time.time()}
                 else:
+                    self.load = {**load_report(self.scheduler), "ts": time.time()}
                     self._wake.wait(0.5)
                     self._wake.clear()
         except BaseException as e:  # the engine is dead: fail every waiter
@@ -170,7 +175,7 @@ class InProcessEngine:
         def add() -> None:
             self._sinks[request_id] = sink
             try:
-                internal = self.engine.add_request(request_id, prompt, params)  # type: ignore[arg-type]
+                internal = self.engine.add_request(request_id, prompt, params)
             except Exception as e:  # bad request: report to the caller, keep the engine
                 self._sinks.pop(request_id, None)
                 sink(e)
@@ -206,24 +211,163 @@ class InProcessEngine:
         self._wake.set()
 
 
+def _free_port(taken: set[int]) -> int:
+    """A TCP port free on this node now, not in ``taken`` (added to it)."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            port = int(sock.getsockname()[1])
+        if port not in taken:
+            taken.add(port)
+            return port
+
+
+def _serve_identity() -> tuple[str, int, str]:
+    """``(replica id, local rank, app name)`` inside a Serve replica; outside one (unit tests)
+    a per-process id, rank 0 and app ``pdserve``."""
+    try:
+        from ray import serve
+
+        ctx = serve.get_replica_context()
+        rank = getattr(ctx.rank, "local_rank", None)
+        return ctx.replica_id.unique_id, int(rank or 0), ctx.app_name
+    except Exception:  # not in a replica
+        return f"local-{os.getpid()}", 0, "pdserve"
+
+
+def _node_ip() -> str:
+    try:
+        import ray.util
+
+        return str(ray.util.get_node_ip_address())
+    except Exception:  # no Ray: a single machine
+        return "127.0.0.1"
+
+
 class EngineReplica:
     """A vLLM engine (prefill or decode role) in one Serve replica.
 
     Contract: constructed with the validated app config (as a dict, so Serve can pickle it) and a
-    role; the replica's environment (NIXL side-channel port, CPU binding, KV cache size) is set
-    from the config before vLLM is imported, so each replica owns its port and cores.
+    role. At start the replica resolves its own ports (NIXL side channel, KV events: a base plus
+    its rank on the node, or free ports), builds its engine through
+    :func:`engines.launch.start_engine`, and, for a prefill replica with an index, checks that
+    its engine hashes blocks as the ingress does (:func:`cluster.probe.probe_hash_mode`: a
+    mismatch refuses the replica or switches it to token re-hashing, per
+    ``hashing.on_mismatch``). With the Redis index it also feeds its own KV events into Redis
+    (one writer per replica; it drops its entries when it shuts down). It answers calls only
+    after its engine has served a request end to end.
+
+    ``record_routing_stats()`` is its load report (Serve polls it for the routers): the engine
+    thread's snapshot, its KV-event endpoints, hash mode, and cumulative request counters.
     """
 
-    def __init__(self, config: dict[str, Any], role: Role) -> None:
+    async def __init__(self, config: dict[str, Any], role: Role) -> None:  # type: ignore[misc]
         self.cfg = AppConfig.model_validate(config)
         self.role: Role = role
-        os.environ.update(engine_env(self.cfg, role))
+        self.replica_id, rank, self.app_name = _serve_identity()
+        taken: set[int] = set()
+        self.ports: ReplicaPorts = replica_ports(
+            self.cfg, role, rank, _node_ip(), lambda: _free_port(taken)
+        )
         self.counters = EngineCounters()
         self.engine = InProcessEngine(
-            engine_args_kwargs(self.cfg, role), [make_counter_logger(self.counters)]
+            engine_launch(self.cfg, role, self.ports), [make_counter_logger(self.counters)]
         )
         self._ready = False
         self._seq = 0
+        self.hash_mode = "engine"
+        self.feed: Any = None
+        self.requests = 0
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        if role == "prefill" and self.cfg.index.backend != "none" and self.ports.kv_events:
+            await self._check_hashes_and_feed()
+        await self.ready()
+
+    # -- the index side ------------------------------------------------------------------
+    def _index(self) -> Any:
+        from cluster.index import IndexConfig, MemoryPrefixIndex
+        from cluster.redis_index import RedisPrefixIndex
+
+        if self.cfg.index.backend != "redis":
+            return MemoryPrefixIndex()  # scratch: only the start-up probe reads it
+        return RedisPrefixIndex(
+            IndexConfig(
+                backend="redis",
+                redis_url=self.cfg.index.redis_url,
+                app=self.app_name,
+                deployment="prefill",
+                liveness_ttl_s=self.cfg.index.liveness_ttl_s,
+            )
+        )
+
+    async def _check_hashes_and_feed(self) -> None:
+        """Probe this engine's block hashes against ours; with Redis, keep feeding them."""
+        from cluster.feed import KVEventFeed
+        from cluster.hashing import BlockHasher, HashAlignmentError, HashMode
+        from cluster.probe import probe_hash_mode
+
+        hasher = BlockHasher(self.cfg.hashing.hash_config())
+        feed = KVEventFeed(self._index(), heartbeat_s=self.cfg.index.heartbeat_s)
+        await self._follow(feed, HashMode.ENGINE)
+        await feed.wait_for(self.replica_id, lambda rf: rf.connected, 30.0)
+
+        async def send(ids: list[int], salt: str | None) -> None:
+            self._seq += 1
+            req = EngineRequest(f"hash-probe-{self._seq}", tuple(ids), Sampling(max_tokens=1))
+            req = replace(req, cache_salt=salt)
+            async for _ in self._generate(req, req.sampling, None, delta=False):
+                pass
+
+        vocab = int(self.engine.engine.model_config.get_vocab_size())
+        try:
+            mode = await probe_hash_mode(
+                feed,
+                self.replica_id,
+                send,
+                hasher,
+                vocab=vocab,
+                allow_fallback=self.cfg.hashing.on_mismatch == "tokens",
+            )
+        except HashAlignmentError as e:
+            await feed.close()
+            raise RuntimeError(f"hashing.on_mismatch=refuse: {e}") from e
+        self.hash_mode = mode.value
+        if self.cfg.index.backend != "redis":
+            await feed.close()  # the ingress follows this replica's events itself
+            return
+        if mode is not HashMode.ENGINE:
+            await feed.remove_replica(self.replica_id)
+            await self._follow(feed, mode)
+        self.feed = feed
+
+    async def _follow(self, feed: Any, mode: Any) -> None:
+        from cluster.events import ReplicaTracker
+        from cluster.hashing import TOKENS_MODE_CONFIG, BlockHasher, HashMode
+
+        ev = self.cfg.prefill.kv_events
+        tracker = (
+            ReplicaTracker(mediums=("GPU", "CPU", None))
+            if mode is HashMode.ENGINE
+            else ReplicaTracker(
+                HashMode.TOKENS,
+                BlockHasher(
+                    TOKENS_MODE_CONFIG.model_copy(
+                        update={"block_size": self.cfg.hashing.block_size}
+                    ),
+                    HashMode.TOKENS,
+                ),
+                mediums=("GPU", "CPU", None),
+            )
+        )
+        replay = self.ports.kv_replay
+        await feed.add_replica(
+            self.replica_id,
+            f"tcp://127.0.0.1:{self.ports.kv_events}",
+            replay_endpoint=f"tcp://127.0.0.1:{replay}" if replay else None,
+            tracker=tracker,
+            topic=ev.topic,
+        )
 
     # -- calls ---------------------------------------------------------------------------
     async def prefill(self, req: EngineRequest) -> EngineChunk:
@@ -234,11 +378,16 @@ class EngineReplica:
         async for chunk in self._generate(req, one, PREFILL_KV_PARAMS, delta=False):
             last = chunk
         assert last is not None
+        self.requests += 1
+        self.prompt_tokens += last.num_prompt_tokens
+        self.cached_tokens += last.num_cached_tokens
         return last
 
     async def decode(self, req: EngineRequest) -> AsyncIterator[EngineChunk]:
         """Stream ``req``'s output deltas, pulling the prompt's KV with
         ``req.kv_transfer_params`` (or computing it locally when that is ``None``)."""
+        self.requests += 1
+        self.prompt_tokens += len(req.prompt_token_ids)
         async for chunk in self._generate(req, req.sampling, req.kv_transfer_params, delta=True):
             yield chunk
 
@@ -278,9 +427,10 @@ class EngineReplica:
                 num_cached_tokens=int(out.num_cached_tokens or 0),
                 engine_s=time.monotonic() - t0,
                 kv_transfer_params=out.kv_transfer_params,
+                replica_id=self.replica_id,
             )
 
-    # -- health --------------------------------------------------------------------------
+    # -- health and reports --------------------------------------------------------------
     async def ready(self) -> bool:
         """True once this engine has served a probe request end to end (cached after)."""
         if self._ready:
@@ -296,13 +446,41 @@ class EngineReplica:
         self._ready = True
         return True
 
+    def record_routing_stats(self) -> dict[str, Any]:
+        """The load report Serve polls for the routers (see :mod:`deployments.router`)."""
+        p = self.ports
+        return {
+            **self.engine.load,
+            "role": self.role,
+            "replica_id": self.replica_id,
+            "kv_events": f"tcp://{p.host}:{p.kv_events}" if p.kv_events else None,
+            "kv_replay": f"tcp://{p.host}:{p.kv_replay}" if p.kv_replay else None,
+            "kv_topic": self.cfg.engine(self.role).kv_events.topic,
+            "hash_mode": self.hash_mode,
+            "requests": self.requests,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            **self.counters.as_dict(),
+        }
+
     async def model_path(self) -> str:
         """The model folder this engine loaded (clients use its tokenizer)."""
         return str(self.cfg.model.resolved_path())
 
     async def stats(self) -> dict[str, Any]:
-        """Cumulative counters (see :class:`EngineCounters`) and the replica's role."""
-        return {"role": self.role, **self.counters.as_dict()}
+        """Cumulative counters (see :class:`EngineCounters`), the replica's role and id, and
+        its feed's counters when it feeds the Redis index."""
+        out: dict[str, Any] = {
+            "role": self.role,
+            "replica_id": self.replica_id,
+            "hash_mode": self.hash_mode,
+            **self.counters.as_dict(),
+        }
+        if self.feed is not None:
+            rf = self.feed.replicas.get(self.replica_id)
+            if rf is not None:
+                out["feed"] = dict(rf.stats.__dict__)
+        return out
 
     async def check_health(self) -> None:
         """Serve's health probe: raises when the engine thread has died."""
@@ -313,3 +491,24 @@ class EngineReplica:
         eng = getattr(self, "engine", None)
         if eng is not None:
             eng.shutdown()
+        if getattr(self, "feed", None) is not None:
+            self._drop_from_index()
+
+    def _drop_from_index(self) -> None:
+        """Remove this replica's entries from the Redis index now (on its own loop and
+        connection: the replica's loop may be gone), bounded to 2 s."""
+
+        def run() -> None:
+            async def drop() -> None:
+                idx = self._index()
+                try:
+                    await asyncio.wait_for(idx.drop_replica(self.replica_id), 2.0)
+                finally:
+                    await idx.close()
+
+            with contextlib.suppress(Exception):
+                asyncio.run(drop())
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        t.join(3.0)

@@ -1,6 +1,7 @@
 """OpenAI request schemas the PD path accepts, their validation, and response builders.
 
-Pure (pydantic only), so the HTTP contract is unit-tested without Serve or vLLM. Requests keep
+Pure (pydantic and the ``openai`` package's response types), so the HTTP contract is unit-tested
+without Serve or vLLM. Requests keep
 OpenAI's field names; fields OpenAI defines but the prefill/decode path cannot honour are listed
 in :data:`UNSUPPORTED` and refused with a 400 whose message says why (for example ``n > 1``: one
 prefill hands one KV cache to one decode stream). Unknown fields are refused too, naming them.
@@ -12,6 +13,12 @@ import time
 import uuid
 from typing import Any, Literal
 
+from openai.types import Completion, CompletionChoice
+from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessage
+from openai.types.chat.chat_completion import Choice as ChatChoice
+from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
+from openai.types.chat.chat_completion_chunk import ChoiceDelta
+from openai.types.completion_usage import CompletionUsage, PromptTokensDetails
 from pydantic import BaseModel, ConfigDict, Field
 
 from deployments.protocol import Sampling
@@ -220,45 +227,66 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> CompletionUsage:
     """OpenAI's usage block, with ``prompt_tokens_details.cached_tokens``."""
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-    }
+    return CompletionUsage(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+    )
+
+
+def _dump(m: Any) -> dict[str, Any]:
+    out: dict[str, Any] = m.model_dump(mode="json", exclude_unset=True)
+    return out
 
 
 def completion_body(
-    rid: str, model: str, text: str, finish_reason: str | None, use: dict[str, Any], chat: bool
+    rid: str,
+    model: str,
+    text: str,
+    finish_reason: str | None,
+    use: CompletionUsage,
+    chat: bool,
 ) -> dict[str, Any]:
-    """A whole (non-streamed) completion or chat completion."""
+    """A whole (non-streamed) completion or chat completion (the ``openai`` package's types)."""
     created = int(time.time())
     if chat:
-        return {
-            "id": rid,
-            "object": "chat.completion",
-            "created": created,
-            "model": model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "finish_reason": finish_reason,
-                    "logprobs": None,
-                }
+        return _dump(
+            ChatCompletion(
+                id=rid,
+                object="chat.completion",
+                created=created,
+                model=model,
+                choices=[
+                    ChatChoice(
+                        index=0,
+                        message=ChatCompletionMessage(role="assistant", content=text),
+                        finish_reason=finish_reason,  # type: ignore[arg-type]
+                        logprobs=None,
+                    )
+                ],
+                usage=use,
+            )
+        )
+    return _dump(
+        Completion(
+            id=rid,
+            object="text_completion",
+            created=created,
+            model=model,
+            choices=[
+                CompletionChoice(
+                    index=0,
+                    text=text,
+                    finish_reason=finish_reason,  # type: ignore[arg-type]
+                    logprobs=None,
+                )
             ],
-            "usage": use,
-        }
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [{"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}],
-        "usage": use,
-    }
+            usage=use,
+        )
+    )
 
 
 def stream_chunk(
@@ -270,24 +298,46 @@ def stream_chunk(
     text: str | None = None,
     role: bool = False,
     finish_reason: str | None = None,
-    use: dict[str, Any] | None = None,
+    use: CompletionUsage | None = None,
 ) -> dict[str, Any]:
-    """One SSE chunk. ``use`` set: the usage-only last chunk (``choices`` empty)."""
-    obj = "chat.completion.chunk" if chat else "text_completion"
-    body: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": model}
+    """One SSE chunk. ``use`` set: the usage-only last chunk (``choices`` empty).
+
+    Chat chunks are ``openai``'s ``ChatCompletionChunk``; text-completion chunks are its
+    ``Completion`` built without validation (its ``finish_reason`` is not optional, but a
+    stream's chunks before the last carry none, as OpenAI's and vLLM's servers send them).
+    """
+    if chat:
+        choices = []
+        if use is None:
+            delta = ChoiceDelta(role="assistant") if role else ChoiceDelta()
+            if text is not None:
+                delta.content = text
+            choices = [
+                ChunkChoice(
+                    index=0,
+                    delta=delta,
+                    finish_reason=finish_reason,  # type: ignore[arg-type]
+                    logprobs=None,
+                )
+            ]
+        chunk = ChatCompletionChunk(
+            id=rid, object="chat.completion.chunk", created=created, model=model, choices=choices
+        )
+        if use is not None:
+            chunk.usage = use  # marked as set, so it is dumped
+        return _dump(chunk)
+    body: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created}
+    body["model"] = model
     if use is not None:
         body["choices"] = []
-        body["usage"] = use
+        body["usage"] = use.model_dump(mode="json", exclude_unset=True)
         return body
-    if chat:
-        delta: dict[str, Any] = {}
-        if role:
-            delta["role"] = "assistant"
-        if text is not None:
-            delta["content"] = text
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish_reason}
-    else:
-        choice = {"index": 0, "text": text or "", "finish_reason": finish_reason}
-    choice["logprobs"] = None
-    body["choices"] = [choice]
+    choice = CompletionChoice.model_construct(
+        index=0, text=text or "", finish_reason=finish_reason, logprobs=None
+    )
+    body["choices"] = [choice.model_dump(mode="json")]
     return body
+
+
+#: The finish reasons OpenAI's schema allows; any other (vLLM's ``abort``) is an engine error.
+FINISH_REASONS = frozenset({"stop", "length"})

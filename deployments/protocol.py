@@ -41,6 +41,24 @@ class Sampling:
 
 
 @dataclass(frozen=True)
+class RouteHint:
+    """What the ingress learned about a request before routing it (read by the routers in
+    :mod:`deployments.router`; the replicas ignore it).
+
+    ``matches`` maps a prefill replica id (Serve's replica id) to the prompt tokens of the
+    leading blocks it holds, by the prefix index; ``None`` when the index gave no answer in
+    time (the router then routes by load and counts ``index_unavailable``). ``pin`` forces a
+    replica (the start-up probe, tests); when it is gone the router counts
+    ``pinned_replica_gone`` and routes as usual.
+    """
+
+    prompt_tokens: int
+    matches: dict[str, int] | None = None
+    expected_output_tokens: int = 1
+    pin: str | None = None
+
+
+@dataclass(frozen=True)
 class EngineRequest:
     """One request to an engine replica.
 
@@ -54,6 +72,7 @@ class EngineRequest:
     sampling: Sampling
     cache_salt: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    route: RouteHint | None = None
 
 
 @dataclass(frozen=True)
@@ -62,7 +81,8 @@ class EngineChunk:
 
     ``num_cached_tokens`` is the engine's local prefix-cache hit (0 on the decode side of a
     transfer); ``engine_s`` is the time the replica spent from receiving the request to emitting
-    this chunk (monotonic seconds), which lets the ingress measure its own overhead.
+    this chunk (monotonic seconds), which lets the ingress measure its own overhead;
+    ``replica_id`` is the Serve replica id of the replica that produced it.
     """
 
     text: str
@@ -73,4 +93,5 @@ class EngineChunk:
     engine_s: float
     kv_transfer_params: dict[str, Any] | None = None
     stop_reason: str | int | None = None
+    replica_id: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)

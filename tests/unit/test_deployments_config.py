@@ -1,5 +1,5 @@
 """The app's config tree: defaults valid, unknown keys refused, cross-field errors name fields,
-env overrides read in one place, engine args and env per role."""
+env overrides read in one place, per-replica ports, and one engine launch per role."""
 
 from __future__ import annotations
 
@@ -12,84 +12,130 @@ from pydantic import ValidationError
 from deployments.config import (
     AppConfig,
     apply_env_overrides,
-    engine_args_kwargs,
-    engine_env,
+    engine_launch,
     load_app_config,
+    replica_ports,
 )
+from engines.launch import engine_args, launch_env
 
 ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = ["pd_default.yaml", "pd_cluster.yaml"]
 
 
-def test_shipped_yaml_validates_with_serve_and_ours() -> None:
+def _ports(start: int = 40000):  # type: ignore[no-untyped-def]
+    n = iter(range(start, start + 100))
+    return lambda: next(n)
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_shipped_yaml_validates_with_serve_and_ours(name: str) -> None:
     from ray.serve.schema import ServeDeploySchema
 
-    raw = yaml.safe_load((ROOT / "configs" / "pd_default.yaml").read_text())
+    raw = yaml.safe_load((ROOT / "configs" / name).read_text())
     ServeDeploySchema.model_validate(raw)
     app = raw["applications"][0]
     assert app["import_path"] == "deployments.app:build_app"
     assert "working_dir" not in app.get("runtime_env", {})  # serve deploy rejects local paths
     cfg = load_app_config(app["args"], environ={})
-    assert cfg.prefill.nixl_side_channel_port != cfg.decode.nixl_side_channel_port
     assert cfg.prefill.cpu_bind != cfg.decode.cpu_bind
-    assert cfg.prefill.num_cpus + cfg.decode.num_cpus + cfg.ingress.num_cpus < 8
+    cpus = (
+        cfg.prefill.num_cpus * cfg.prefill.num_replicas
+        + cfg.decode.num_cpus * cfg.decode.num_replicas
+        + cfg.ingress.num_cpus * cfg.ingress.num_replicas
+    )
+    assert cpus < 8  # fits `pdserve up`'s local head (--num-cpus=8)
+
+
+def test_cluster_yaml_scales_out_on_redis() -> None:
+    raw = yaml.safe_load((ROOT / "configs" / "pd_cluster.yaml").read_text())
+    cfg = load_app_config(raw["applications"][0]["args"], environ={})
+    assert cfg.prefill.num_replicas == 2 and cfg.decode.num_replicas == 1
+    assert cfg.index.backend == "redis" and cfg.ingress.num_replicas == 2
 
 
 def test_unknown_key_is_refused_with_its_name() -> None:
     with pytest.raises(ValidationError, match="prefil"):
         AppConfig.model_validate({"prefil": {}})
     with pytest.raises(ValidationError, match="num_cpu"):
-        AppConfig.model_validate({"decode": {"num_cpu": 1, "nixl_side_channel_port": 5700}})
+        AppConfig.model_validate({"decode": {"num_cpu": 1}})
+    with pytest.raises(ValidationError, match="endpoint"):  # the old KV-events form
+        AppConfig.model_validate(
+            {"prefill": {"num_cpus": 1, "kv_events": {"endpoint": "tcp://*:5557"}}}
+        )
 
 
-def test_shared_side_channel_port_names_both_fields() -> None:
+def test_overlapping_base_ports_name_both_roles() -> None:
     with pytest.raises(ValidationError) as e:
         AppConfig.model_validate(
             {
-                "prefill": {"num_cpus": 1, "nixl_side_channel_port": 5600},
-                "decode": {"num_cpus": 1, "nixl_side_channel_port": 5600},
+                "prefill": {"num_cpus": 1, "num_replicas": 3, "nixl_side_channel_port": 5600},
+                "decode": {"num_cpus": 1, "nixl_side_channel_port": 5602},
             }
         )
     msg = str(e.value)
     assert "prefill.nixl_side_channel_port" in msg and "decode.nixl_side_channel_port" in msg
-
-
-def test_shared_kv_events_endpoint_is_refused() -> None:
-    ev = {"endpoint": "tcp://*:5557"}
-    with pytest.raises(ValidationError, match="KV-events endpoint"):
+    with pytest.raises(ValidationError, match="kv_events.port"):
         AppConfig.model_validate(
             {
-                "prefill": {"num_cpus": 1, "nixl_side_channel_port": 5600, "kv_events": ev},
-                "decode": {"num_cpus": 1, "nixl_side_channel_port": 5610, "kv_events": ev},
+                "prefill": {"num_cpus": 1, "num_replicas": 2, "kv_events": {"port": 5700}},
+                "decode": {"num_cpus": 1, "kv_events": {"port": 5703}},
             }
         )
+    # disjoint ranges are fine
+    AppConfig.model_validate(
+        {
+            "prefill": {"num_cpus": 1, "num_replicas": 2, "nixl_side_channel_port": 5600},
+            "decode": {"num_cpus": 1, "nixl_side_channel_port": 5602},
+        }
+    )
 
 
-def test_kv_events_endpoint_must_bind() -> None:
-    with pytest.raises(ValidationError, match="no '\\*'"):
-        AppConfig.model_validate(
-            {
-                "prefill": {
-                    "num_cpus": 1,
-                    "nixl_side_channel_port": 5600,
-                    "kv_events": {"endpoint": "tcp://127.0.0.1:5557"},
-                }
+def test_memory_index_needs_one_ingress() -> None:
+    with pytest.raises(ValidationError, match="index.backend"):
+        AppConfig.model_validate({"ingress": {"num_replicas": 2}})
+    cfg = AppConfig.model_validate({"ingress": {"num_replicas": 2}, "index": {"backend": "redis"}})
+    assert cfg.ingress.num_replicas == 2
+
+
+def test_replica_ports_never_collide() -> None:
+    cfg = AppConfig.model_validate({"prefill": {"num_cpus": 1, "num_replicas": 2}})
+    free = _ports()
+    a = replica_ports(cfg, "prefill", 0, "10.0.0.5", free)
+    b = replica_ports(cfg, "prefill", 1, "10.0.0.5", free)
+    taken = [a.nixl, a.kv_events, a.kv_replay, b.nixl, b.kv_events, b.kv_replay]
+    assert len(set(taken)) == 6 and a.host == "10.0.0.5"
+    based = AppConfig.model_validate(
+        {
+            "prefill": {
+                "num_cpus": 1,
+                "num_replicas": 2,
+                "nixl_side_channel_port": 5600,
+                "nixl_side_channel_host": "prefill.svc",
+                "kv_events": {"port": 5700},
             }
-        )
+        }
+    )
+    r1 = replica_ports(based, "prefill", 1, "10.0.0.5", _ports())
+    assert (r1.nixl, r1.kv_events, r1.kv_replay, r1.host) == (5601, 5702, 5703, "prefill.svc")
+    off = AppConfig.model_validate({"decode": {"num_cpus": 1, "kv_events": {"enabled": False}}})
+    assert replica_ports(off, "decode", 0, "h", _ports()).kv_events is None
 
 
 @pytest.mark.parametrize("bind", ["all", "0-", "a"])
 def test_cpu_bind_rejects_what_vllm_rejects(bind: str) -> None:
     with pytest.raises(ValidationError, match="cpu_bind"):
-        AppConfig.model_validate(
-            {"prefill": {"num_cpus": 1, "nixl_side_channel_port": 5600, "cpu_bind": bind}}
-        )
+        AppConfig.model_validate({"prefill": {"num_cpus": 1, "cpu_bind": bind}})
 
 
 def test_bounds_in_the_types() -> None:
     with pytest.raises(ValidationError, match="num_cpus"):
-        AppConfig.model_validate({"prefill": {"num_cpus": 0, "nixl_side_channel_port": 5600}})
+        AppConfig.model_validate({"prefill": {"num_cpus": 0}})
     with pytest.raises(ValidationError, match="nixl_side_channel_port"):
         AppConfig.model_validate({"prefill": {"num_cpus": 1, "nixl_side_channel_port": 80}})
+    with pytest.raises(ValidationError, match="num_replicas"):
+        AppConfig.model_validate({"prefill": {"num_cpus": 1, "num_replicas": 0}})
+    with pytest.raises(ValidationError, match="stats_period_s"):
+        AppConfig.model_validate({"routing": {"stats_period_s": 2}})
 
 
 def test_env_overrides_in_one_place() -> None:
@@ -97,11 +143,13 @@ def test_env_overrides_in_one_place() -> None:
         "PDSERVE_MODEL": "/models/x",
         "PDSERVE_API_KEYS": "k1=alice, k2=bob",
         "PDSERVE_CACHE_DIR": "/c",
+        "PDSERVE_REDIS_URL": "redis://redis.pdserve:6379/0",
     }
     cfg = load_app_config({"model": {"served_name": "m"}}, environ=env)
     assert cfg.model.path == "/models/x" and cfg.model.served_name == "m"
     assert cfg.ingress.api_keys == {"k1": "alice", "k2": "bob"}
     assert cfg.cache_dir == "/c"
+    assert cfg.index.redis_url == "redis://redis.pdserve:6379/0"
     assert apply_env_overrides({"a": 1}, environ={}) == {"a": 1}
 
 
@@ -110,48 +158,76 @@ def test_malformed_api_keys_env_names_the_variable() -> None:
         apply_env_overrides({}, environ={"PDSERVE_API_KEYS": "justakey"})
 
 
-def test_engine_args_per_role() -> None:
+def test_engine_launch_per_role() -> None:
     cfg = AppConfig()
-    p, d = engine_args_kwargs(cfg, "prefill"), engine_args_kwargs(cfg, "decode")
+    pp = replica_ports(cfg, "prefill", 0, "10.1.1.1", _ports(41000))
+    dp = replica_ports(cfg, "decode", 0, "10.1.1.1", _ports(42000))
+    p, d = (
+        engine_args(engine_launch(cfg, "prefill", pp)),
+        engine_args(engine_launch(cfg, "decode", dp)),
+    )
     for kw in (p, d):
         ktc = kw["kv_transfer_config"]
         assert ktc["kv_connector"] == "NixlConnector"
         assert ktc["kv_connector_module_path"] == "engines.nixl_connector"
         assert ktc["kv_buffer_device"] == "cpu"
         assert ktc["kv_connector_extra_config"]["nixl_progress_thread"] is False
+        # one hashing field, given to every engine (and the ingress)
+        assert kw["prefix_caching_hash_algo"] == cfg.hashing.algo
+        assert kw["block_size"] == cfg.hashing.block_size
     assert p["kv_transfer_config"]["kv_role"] == "kv_producer"
     assert d["kv_transfer_config"]["kv_role"] == "kv_consumer"
     assert d["kv_transfer_config"]["kv_load_failure_policy"] == "recompute"
-    assert p["kv_events_config"]["endpoint"] != d["kv_events_config"]["endpoint"]
+    assert p["kv_events_config"]["endpoint"] == f"tcp://*:{pp.kv_events}"
+    assert p["kv_events_config"]["replay_endpoint"] == f"tcp://*:{pp.kv_replay}"
     assert "scheduler_cls" not in p
-    cfg2 = AppConfig.model_validate(
-        {"prefill": {"num_cpus": 1, "nixl_side_channel_port": 5600, "scheduler_cls": "a.B"}}
-    )
-    assert engine_args_kwargs(cfg2, "prefill")["scheduler_cls"] == "a.B"
+    env = launch_env(engine_launch(cfg, "prefill", pp))
+    assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(pp.nixl)
+    assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "10.1.1.1"
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert env["PYTHONHASHSEED"] == cfg.hashing.seed
+    unseeded = AppConfig.model_validate({"hashing": {"seed": None}})
+    assert launch_env(engine_launch(unseeded, "decode", dp))["PYTHONHASHSEED"] is None
 
 
-def test_engine_env_per_role() -> None:
-    cfg = AppConfig()
-    p, d = engine_env(cfg, "prefill"), engine_env(cfg, "decode")
-    assert p["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5600" and d["VLLM_NIXL_SIDE_CHANNEL_PORT"] == "5610"
-    assert p["VLLM_CPU_OMP_THREADS_BIND"] == "0" and d["VLLM_CPU_OMP_THREADS_BIND"] == "1"
-    assert p["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+def test_xxhash_needs_a_seed() -> None:
+    with pytest.raises(ValidationError, match="hashing.seed"):
+        AppConfig.model_validate({"hashing": {"algo": "xxhash", "seed": None}})
 
 
-def test_scheduler_plugins_and_their_config() -> None:
+def test_scheduler_plugins_are_validated_at_deploy_time() -> None:
     raw = yaml.safe_load((ROOT / "configs" / "pd_default.yaml").read_text())
     cfg = load_app_config(raw["applications"][0]["args"], environ={})
-    p, d = engine_args_kwargs(cfg, "prefill"), engine_args_kwargs(cfg, "decode")
+    pp = replica_ports(cfg, "prefill", 0, "h", _ports())
+    p = engine_args(engine_launch(cfg, "prefill", pp))
+    d = engine_args(engine_launch(cfg, "decode", replica_ports(cfg, "decode", 0, "h", _ports())))
     assert p["scheduler_cls"] == "engines.scheduler.FairwayScheduler"
     assert d["scheduler_cls"] == "engines.scheduler.TWPScheduler"
-    assert "profile" in p["additional_config"]["pdserve"]
+    assert p["additional_config"]["pdserve"]["profile"] == "v100_llama32_3b"
     with pytest.raises(ValidationError, match="scheduler_config is set but scheduler_cls"):
+        AppConfig.model_validate({"prefill": {"num_cpus": 1, "scheduler_config": {}}})
+    # only the shipped plug-ins
+    with pytest.raises(ValidationError, match="scheduler_cls"):
+        AppConfig.model_validate({"prefill": {"num_cpus": 1, "scheduler_cls": "a.B"}})
+    # the plug-in's own fields, named
+    with pytest.raises(ValidationError, match="prefill_policy"):
         AppConfig.model_validate(
             {
                 "prefill": {
                     "num_cpus": 1,
-                    "nixl_side_channel_port": 5600,
-                    "scheduler_config": {"profile": "x"},
+                    "scheduler_cls": "engines.scheduler.FairwayScheduler",
+                    "scheduler_config": {"prefill_policy": "nope"},
+                }
+            }
+        )
+    with pytest.raises(ValidationError, match="profile"):
+        AppConfig.model_validate(
+            {
+                "prefill": {
+                    "num_cpus": 1,
+                    "scheduler_cls": "engines.scheduler.FairwayScheduler",
+                    "scheduler_config": {"profile": "no_such_profile"},
                 }
             }
         )

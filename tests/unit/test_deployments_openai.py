@@ -117,7 +117,8 @@ def test_bodies_parse_with_the_openai_client_types() -> None:
     from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
     u = usage(10, 4, 128)
-    assert u["total_tokens"] == 14 and u["prompt_tokens_details"]["cached_tokens"] == 128
+    assert u.total_tokens == 14 and u.prompt_tokens_details is not None
+    assert u.prompt_tokens_details.cached_tokens == 128
     c = Completion.model_validate(completion_body("cmpl-1", "test", "abc", "length", u, False))
     assert c.usage is not None and c.usage.prompt_tokens_details.cached_tokens == 128  # type: ignore[union-attr]
     cc = ChatCompletion.model_validate(completion_body("c-1", "test", "hi", "stop", u, True))
@@ -132,6 +133,9 @@ def test_bodies_parse_with_the_openai_client_types() -> None:
         stream_chunk("cmpl-1", "test", 0, chat=False, text="x", finish_reason="length")
     )
     assert tc.choices[0].text == "x" and tc.choices[0].finish_reason == "length"
+    # a mid-stream text chunk carries finish_reason null, as OpenAI's and vLLM's servers send
+    mid = stream_chunk("cmpl-1", "test", 0, chat=False, text="y")
+    assert mid["choices"][0]["finish_reason"] is None and mid["choices"][0]["text"] == "y"
 
 
 def test_non_text_chat_parts_are_refused() -> None:

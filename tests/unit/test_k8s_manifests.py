@@ -85,6 +85,6 @@ def test_bad_app_args_fail_naming_the_field() -> None:
     from deployments.config import load_app_config
 
     args = yaml.safe_load(_base()["spec"]["serveConfigV2"])["applications"][0]["args"]
-    args["decode"]["nixl_side_channel_port"] = args["prefill"]["nixl_side_channel_port"]
+    args["prefill"]["num_replicas"] = 20  # 5600-5619 would overlap decode's 5610
     with pytest.raises(ValidationError, match="nixl_side_channel_port"):
         load_app_config(args, environ={})

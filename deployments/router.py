@@ -1,0 +1,329 @@
+"""Serve request routers for the engine deployments, driven by :mod:`controllers.routing`.
+
+Serve builds one router per deployment handle in the calling process (the ingress), and calls
+``choose_replicas(candidates, pending_request)`` for every request; the candidates are the
+replicas Serve knows to be running, each with the load report its ``record_routing_stats``
+returned (polled every ``routing.stats_period_s``). The routers here are thin: they turn those
+reports and the request's :class:`~deployments.protocol.RouteHint` into the pure policy's
+inputs, call it, and return ``[[chosen], [the rest]]`` (Serve sends to the first rank unless
+that replica's queue is full, then to the next).
+
+- :class:`PrefillRouter`: :func:`controllers.routing.choose_prefill` (``prefix_load`` by
+  default; ``round_robin``, ``least_loaded``, ``prefix_only``). The index's replica ids are
+  Serve's replica ids. Tokens the router has sent that a replica has not yet reported are kept
+  in a :class:`controllers.routing.RouterState` (retired by a later report, by completion, or
+  by their TTL).
+- :class:`DecodeRouter`: :func:`controllers.routing.rank_decode` (TWP headroom filters, the
+  outstanding count balances). When no replica has headroom it still sends (to the least
+  loaded) and counts ``no_decode_headroom``: the decode engine's own TWP gate holds it, and
+  the prefill's KV is already pinned.
+- :class:`ServeDefaultRouter`: Serve's power-of-two router unchanged (the plain baseline),
+  with the same bookkeeping.
+
+Every router keeps its deployment's :class:`~deployments.router_registry.ReplicaDirectory`
+(replica id -> last report) up to date, which is how the ingress learns where each prefill
+replica publishes its KV events, and counts what it routed and every fallback by name
+(:func:`~deployments.router_registry.router_stats`). The router runs on its own event loop
+(Serve's default), so what it shares with the ingress is guarded by locks. That shared state
+lives in :mod:`deployments.router_registry`, not here: Serve pickles a custom router's module
+by value, so this module's globals in the router are a copy, not the ingress's.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from typing import Any
+
+from ray.serve._private.request_router import PowerOfTwoChoicesRequestRouter
+from ray.serve.request_router import (
+    PendingRequest,
+    ReplicaID,
+    RequestRouter,
+    RunningReplica,
+)
+
+from controllers.routing import (
+    DecodeReplicaLoad,
+    PrefillReplicaLoad,
+    RouteRequest,
+    RouterState,
+    choose_prefill,
+    on_dispatch,
+    on_report,
+    rank_decode,
+)
+from deployments.config import AppRoutingConfig
+from deployments.protocol import EngineRequest
+from deployments.router_registry import counters_for, directory
+
+log = logging.getLogger(__name__)
+
+#: A report retires in-flight tokens dispatched at least this long before it was taken: a
+#: request in transit to the replica when the report was taken is not in it yet.
+REPORT_MARGIN_S = 0.05
+#: Window of a decode replica without a TWP gate (no pacing limit).
+UNPACED_WINDOW = 1e12
+
+
+def engine_request(pending: PendingRequest | None) -> EngineRequest | None:
+    """The :class:`EngineRequest` a call carries (``prefill``/``decode``), else ``None``."""
+    if pending is None:
+        return None
+    for a in pending.args or ():
+        if isinstance(a, EngineRequest):
+            return a
+    return None
+
+
+class _Bookkeeping:
+    """The directory, the counters and in-flight accounting every router here shares."""
+
+    role: str = ""
+    _deployment_id: Any
+
+    def _init_bookkeeping(self, routing: dict[str, Any]) -> None:
+        self.cfg = AppRoutingConfig.model_validate(routing)
+        dep = self._deployment_id
+        self.directory = directory(dep.app_name, dep.name)
+        self.counters = counters_for(dep.app_name, dep.name, self.cfg.policy)
+        self._lock = threading.Lock()
+        self.state = RouterState()
+        self._seen_ts: dict[str, float] = {}
+        # internal request id -> the replica the policy chose (a retry keeps the choice)
+        self._decided: dict[str, str] = {}
+        # internal request id -> (replica, dispatched_at, tokens) while in flight
+        self._inflight: dict[str, tuple[str, float, int]] = {}
+
+    # -- Serve's hooks -----------------------------------------------------------------------
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)  # type: ignore[misc]
+        self.directory.update({r.replica_id.unique_id: dict(r.routing_stats) for r in replicas})
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)  # type: ignore[misc]
+        self.directory.remove(replica_id.unique_id)
+        self.counters.count("replica_died")
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        """A call finished (any outcome): its tokens are no longer in flight."""
+        with self._lock:
+            entry = self._inflight.pop(internal_request_id, None)
+            self._decided.pop(internal_request_id, None)
+            if entry is None:
+                return
+            rid, at, tokens = entry
+            kept = list(self.state.inflight.get(rid, ()))
+            if (at, tokens) in kept:
+                kept.remove((at, tokens))
+                inflight = dict(self.state.inflight)
+                inflight[rid] = tuple(kept)
+                self.state = RouterState(self.state.rr_next, inflight, self.state.counters)
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _absorb_reports(self, candidates: list[RunningReplica], now: float) -> None:
+        """Retire in-flight entries that a newer report from their replica covers."""
+        ttl = self.cfg.inflight_ttl_s
+        for r in candidates:
+            rid = r.replica_id.unique_id
+            ts = float(r.routing_stats.get("ts", 0.0) or 0.0)
+            if ts > self._seen_ts.get(rid, 0.0):
+                self._seen_ts[rid] = ts
+                self.state = on_report(self.state, rid, ts - REPORT_MARGIN_S, now, ttl)
+                covered = [k for k, (x, at, _) in self._inflight.items() if x == rid and at <= ts]
+                for k in covered:
+                    del self._inflight[k]
+
+    def _dispatch(self, key: str, rid: str, tokens: int, now: float) -> None:
+        """Record the policy's choice as sent (Serve sends to the first rank unless that
+        replica's queue is full, which ``max_ongoing_requests`` makes rare)."""
+        self.state = on_dispatch(self.state, rid, tokens, now)
+        self._inflight[key] = (rid, now, tokens)
+        with self.counters.lock:
+            self.counters.routed[rid] += 1
+
+    def _ranked(
+        self, candidates: list[RunningReplica], order: list[str]
+    ) -> list[list[RunningReplica]]:
+        by_id = {r.replica_id.unique_id: r for r in candidates}
+        first = [by_id[order[0]]] if order and order[0] in by_id else []
+        rest = [by_id[i] for i in order[1:] if i in by_id]
+        rest += [r for i, r in by_id.items() if i not in order]
+        return [x for x in (first, rest) if x]
+
+
+class PrefillRouter(_Bookkeeping, RequestRouter):
+    """Routes prefill calls by :func:`controllers.routing.choose_prefill`."""
+
+    role = "prefill"
+
+    def initialize_state(self, routing: dict[str, Any] | None = None, **_: Any) -> None:
+        self._init_bookkeeping(routing or {})
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        req = engine_request(pending_request)
+        if req is None or req.route is None or pending_request is None:
+            return [candidate_replicas]  # ready/stats calls: Serve picks by queue length
+        key = pending_request.metadata.internal_request_id
+        ids = {r.replica_id.unique_id for r in candidate_replicas}
+        with self._lock:
+            prior = self._decided.get(key)
+            if prior is not None and prior in ids:  # a retry of a decided request
+                return self._ranked(candidate_replicas, [prior])
+            order = self._decide(key, req, candidate_replicas, ids)
+        return self._ranked(candidate_replicas, order)
+
+    def _decide(
+        self, key: str, req: EngineRequest, candidates: list[RunningReplica], ids: set[str]
+    ) -> list[str]:
+        hint = req.route
+        assert hint is not None
+        now = time.time()
+        self._absorb_reports(candidates, now)
+        p = max(1, hint.prompt_tokens)
+        matches = hint.matches
+        if hint.pin is not None:
+            if hint.pin in ids:
+                self._decided[key] = hint.pin
+                self._dispatch(key, hint.pin, p, now)
+                return [hint.pin]
+            self.counters.count("pinned_replica_gone")
+        if matches is not None:
+            gone = {r: n for r, n in matches.items() if r not in ids}
+            matches = {r: n for r, n in matches.items() if r in ids}
+            if gone and max(gone.values()) > max(matches.values(), default=0):
+                self.counters.count("matched_replica_gone")
+        loads = [
+            PrefillReplicaLoad(
+                replica_id=r.replica_id.unique_id,
+                queued_uncached_tokens=int(r.routing_stats.get("queued_uncached_tokens", 0)),
+                running=int(r.routing_stats.get("running", 0)),
+                reported_at_s=float(r.routing_stats.get("ts", 0.0) or 0.0),
+            )
+            for r in candidates
+        ]
+        before = dict(self.state.counters)
+        self.state, chosen, reason, _, _ = choose_prefill(
+            self.state,
+            RouteRequest(req.request_id, p, hint.expected_output_tokens),
+            loads,
+            matches,
+            self.cfg,
+            now,
+        )
+        for name, n in self.state.counters.items():
+            if n > before.get(name, 0):
+                self.counters.count(name, n - before.get(name, 0))
+        m = matches or {}
+        if chosen is None:
+            return []
+        self._decided[key] = chosen
+        self._dispatch(key, chosen, p - min(p, m.get(chosen, 0)), now)
+        ttl = self.cfg.inflight_ttl_s
+        rest = sorted(
+            (i for i in ids if i != chosen),
+            key=lambda i: (-m.get(i, 0), self.state.inflight_tokens(i, now, ttl), i),
+        )
+        log.debug("prefill %s -> %s (%s)", req.request_id, chosen, reason)
+        return [chosen, *rest]
+
+
+class DecodeRouter(_Bookkeeping, RequestRouter):
+    """Routes decode calls by :func:`controllers.routing.rank_decode` (TWP headroom, KV)."""
+
+    role = "decode"
+
+    def initialize_state(
+        self, routing: dict[str, Any] | None = None, block_size: int = 128, **_: Any
+    ) -> None:
+        self._init_bookkeeping(routing or {})
+        self.block_size = block_size
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        req = engine_request(pending_request)
+        if req is None or pending_request is None:
+            return [candidate_replicas]
+        key = pending_request.metadata.internal_request_id
+        ids = {r.replica_id.unique_id for r in candidate_replicas}
+        with self._lock:
+            prior = self._decided.get(key)
+            if prior is not None and prior in ids:
+                return self._ranked(candidate_replicas, [prior])
+            now = time.time()
+            self._absorb_reports(candidate_replicas, now)
+            ttl = self.cfg.inflight_ttl_s
+            loads = []
+            for r in candidate_replicas:
+                s = r.routing_stats
+                rid = r.replica_id.unique_id
+                window = s.get("window_tokens")
+                loads.append(
+                    DecodeReplicaLoad(
+                        replica_id=rid,
+                        window_tokens=UNPACED_WINDOW if window is None else float(window),
+                        token_load=float(s.get("token_load") or 0.0),
+                        free_kv_blocks=int(s.get("free_kv_blocks", 1 << 30)),
+                        total_kv_blocks=int(s.get("total_kv_blocks", 1 << 30)),
+                        outstanding=int(s.get("running", 0))
+                        + int(s.get("waiting", 0))
+                        + len([e for e in self.state.inflight.get(rid, ()) if now - e[0] < ttl]),
+                    )
+                )
+            expected = min(req.sampling.max_tokens, self.cfg.expected_output_tokens)
+            rreq = RouteRequest(
+                req.request_id,
+                len(req.prompt_token_ids),
+                expected,
+                math.ceil(len(req.prompt_token_ids) / max(1, self.block_size)),
+            )
+            order = rank_decode(rreq, loads, self.cfg.decode_kv_guard_blocks)
+            if not order:
+                self.counters.count("no_decode_headroom")
+                order = [
+                    d.replica_id for d in sorted(loads, key=lambda d: (d.outstanding, d.replica_id))
+                ]
+            if order:
+                self._decided[key] = order[0]
+                self._dispatch(key, order[0], 1, now)
+        return self._ranked(candidate_replicas, order)
+
+
+class ServeDefaultRouter(_Bookkeeping, PowerOfTwoChoicesRequestRouter):
+    """Serve's power-of-two router, unchanged (the plain baseline), with the directory and
+    counters kept; ``routed`` is counted when a call completes (the choice is Serve's)."""
+
+    def initialize_state(self, routing: dict[str, Any] | None = None, **_: Any) -> None:
+        self._init_bookkeeping(routing or {})
+        self._engine_calls: set[str] = set()
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        if engine_request(pending_request) is not None:
+            assert pending_request is not None
+            with self._lock:
+                self._engine_calls.add(pending_request.metadata.internal_request_id)
+        out: list[list[RunningReplica]] = await super().choose_replicas(
+            candidate_replicas, pending_request
+        )
+        return out
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        with self._lock:
+            if internal_request_id not in self._engine_calls:
+                return
+            self._engine_calls.discard(internal_request_id)
+        with self.counters.lock:
+            self.counters.routed[replica_id.unique_id] += 1

@@ -1,0 +1,87 @@
+"""What the routers share with the ingress in one process: replica directories and counters.
+
+A module of its own, imported by reference: Serve pickles a custom router's own module by value
+(``RequestRouterConfig``), so globals defined next to the router class would be a private copy
+inside the router, invisible to the ingress. Everything here is thread-safe (the router runs on
+Serve's router loop, the ingress on its own).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ReplicaDirectory:
+    """Replica id -> its last load report, for one deployment in this process (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._replicas: dict[str, dict[str, Any]] = {}
+        self.version = 0
+
+    def update(self, replicas: dict[str, dict[str, Any]]) -> None:
+        with self._lock:
+            if replicas != self._replicas:
+                self._replicas = replicas
+                self.version += 1
+
+    def remove(self, replica_id: str) -> None:
+        with self._lock:
+            if self._replicas.pop(replica_id, None) is not None:
+                self.version += 1
+
+    def snapshot(self) -> dict[str, dict[str, Any]]:
+        with self._lock:
+            return dict(self._replicas)
+
+
+_DIRECTORIES: dict[tuple[str, str], ReplicaDirectory] = {}
+_STATS: dict[tuple[str, str], RouterCounters] = {}
+_REGISTRY_LOCK = threading.Lock()
+
+
+def directory(app: str, deployment: str) -> ReplicaDirectory:
+    """The directory of ``app``'s ``deployment`` in this process (created on first use)."""
+    with _REGISTRY_LOCK:
+        return _DIRECTORIES.setdefault((app, deployment), ReplicaDirectory())
+
+
+@dataclass
+class RouterCounters:
+    """What one deployment's router did (thread-safe through its lock)."""
+
+    policy: str = ""
+    routed: Counter[str] = field(default_factory=Counter)
+    fallbacks: Counter[str] = field(default_factory=Counter)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def count(self, name: str, by: int = 1) -> None:
+        with self.lock:
+            self.fallbacks[name] += by
+
+    def as_dict(self) -> dict[str, Any]:
+        with self.lock:
+            return {
+                "policy": self.policy,
+                "routed": dict(self.routed),
+                "fallbacks": dict(self.fallbacks),
+            }
+
+
+def router_stats(app: str, deployment: str) -> dict[str, Any]:
+    """``{"policy", "routed": {replica: n}, "fallbacks": {name: n}}`` of this process's router
+    for ``app``'s ``deployment`` (empty until the router has been built)."""
+    with _REGISTRY_LOCK:
+        c = _STATS.get((app, deployment))
+    return c.as_dict() if c is not None else {"policy": None, "routed": {}, "fallbacks": {}}
+
+
+def counters_for(app: str, deployment: str, policy: str) -> RouterCounters:
+    """The counters of ``app``'s ``deployment`` router in this process, named ``policy``."""
+    with _REGISTRY_LOCK:
+        c = _STATS.setdefault((app, deployment), RouterCounters())
+        c.policy = policy
+        return c

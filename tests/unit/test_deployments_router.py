@@ -1,0 +1,240 @@
+"""The Serve routers over stand-in replicas (no cluster): the policy's choice reaches Serve as the
+first rank, in-flight accounting covers the time between load reports, fallbacks are named and
+counted, and the ingress's directory follows Serve's replica set."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from ray.serve._private.common import (
+    DeploymentHandleSource,
+    DeploymentID,
+    ReplicaID,
+    RequestMetadata,
+)
+from ray.serve._private.request_router.common import PendingRequest
+
+from deployments.protocol import EngineRequest, RouteHint, Sampling
+from deployments.router import DecodeRouter, PrefillRouter, ServeDefaultRouter
+from deployments.router_registry import directory, router_stats
+
+_apps = itertools.count()
+
+
+@dataclass
+class Replica:
+    """Stands in for Serve's RunningReplica: an id and the last load report."""
+
+    unique_id: str
+    app: str
+    deployment: str
+    routing_stats: dict[str, Any] = field(default_factory=dict)
+    max_ongoing_requests: int = 256
+    multiplexed_model_ids: set[str] = field(default_factory=set)
+    node_id: str = "node"
+    availability_zone: str | None = None
+
+    @property
+    def replica_id(self) -> ReplicaID:
+        return ReplicaID(self.unique_id, DeploymentID(self.deployment, self.app))
+
+
+def make(cls: type, deployment: str, **routing: Any) -> Any:
+    app = f"test-app-{next(_apps)}"
+    r = cls(
+        deployment_id=DeploymentID(deployment, app), handle_source=DeploymentHandleSource.UNKNOWN
+    )
+    r.initialize_state(routing={"policy": "prefix_load", **routing})
+    return r
+
+
+_ids = itertools.count()
+
+
+def pending(req: EngineRequest | None) -> PendingRequest:
+    n = next(_ids)
+    meta = RequestMetadata(request_id=f"r{n}", internal_request_id=f"i{n}")
+    args = [req] if req is not None else []
+    return PendingRequest(args=args, kwargs={}, metadata=meta, future=None)  # type: ignore[arg-type]
+
+
+def prefill_req(prompt: int, matches: dict[str, int] | None, pin: str | None = None) -> Any:
+    return EngineRequest(
+        "x",
+        tuple(range(prompt)),
+        Sampling(max_tokens=8),
+        route=RouteHint(prompt, matches, 8, pin),
+    )
+
+
+def choose(router: Any, cands: list[Replica], p: PendingRequest) -> list[list[str]]:
+    ranks = asyncio.run(router.choose_replicas(cands, p))
+    return [[r.unique_id for r in rank] for rank in ranks]
+
+
+def replicas(router: Any, *ids: str, **stats: Any) -> list[Replica]:
+    dep = router._deployment_id
+    return [Replica(i, dep.app_name, dep.name, dict(stats)) for i in ids]
+
+
+def test_the_replica_holding_the_prefix_is_the_first_rank() -> None:
+    r = make(PrefillRouter, "prefill")
+    cands = replicas(r, "a", "b")
+    ranks = choose(r, cands, pending(prefill_req(1000, {"b": 896})))
+    assert ranks == [["b"], ["a"]]
+    # the same call retried (Serve's backoff loop) keeps the decision, counted once
+    p = pending(prefill_req(1000, {"a": 896}))
+    assert choose(r, cands, p)[0] == ["a"]
+    assert choose(r, cands, p)[0] == ["a"]
+    assert router_stats(r._deployment_id.app_name, "prefill")["routed"] == {"b": 1, "a": 1}
+
+
+def test_inflight_tokens_spread_misses_until_a_report_covers_them() -> None:
+    r = make(PrefillRouter, "prefill")
+    cands = replicas(r, "a", "b", queued_uncached_tokens=0, ts=time.time() - 10)
+    first = choose(r, cands, pending(prefill_req(2000, {})))[0][0]
+    second = choose(r, cands, pending(prefill_req(2000, {})))[0][0]
+    assert {first, second} == {"a", "b"}  # the first one's 2,000 tokens count until reported
+    # a newer report from `first` that shows an empty queue retires its in-flight tokens
+    for c in cands:
+        c.routing_stats = {"queued_uncached_tokens": 0, "ts": time.time() + 1}
+    third = choose(r, cands, pending(prefill_req(2000, {})))[0][0]
+    fourth = choose(r, cands, pending(prefill_req(2000, {})))[0][0]
+    assert {third, fourth} == {"a", "b"}
+
+
+def test_completion_retires_inflight_tokens() -> None:
+    r = make(PrefillRouter, "prefill")
+    cands = replicas(r, "a", "b")
+    p1 = pending(prefill_req(2000, {}))
+    first = choose(r, cands, p1)[0][0]
+    r.on_request_completed(ReplicaID(first, r._deployment_id), p1.metadata.internal_request_id)
+    # nothing in flight any more: the tie goes to the lower id again
+    assert choose(r, cands, pending(prefill_req(2000, {})))[0][0] == "a" == first
+
+
+def test_reported_queue_outweighs_a_small_hit() -> None:
+    r = make(PrefillRouter, "prefill")
+    a, b = replicas(r, "a", "b")
+    a.routing_stats = {"queued_uncached_tokens": 50_000, "ts": time.time()}
+    b.routing_stats = {"queued_uncached_tokens": 0, "ts": time.time()}
+    assert choose(r, [a, b], pending(prefill_req(1024, {"a": 128})))[0] == ["b"]
+
+
+def test_hotspot_guard_is_counted() -> None:
+    r = make(PrefillRouter, "prefill", hotspot_slack_tokens=0, hotspot_factor=1.5)
+    a, b = replicas(r, "a", "b")
+    a.routing_stats = {"queued_uncached_tokens": 9000, "ts": time.time()}
+    b.routing_stats = {"queued_uncached_tokens": 1000, "ts": time.time()}
+    assert choose(r, [a, b], pending(prefill_req(4096, {"a": 3968})))[0] == ["b"]
+    assert router_stats(r._deployment_id.app_name, "prefill")["fallbacks"]["hotspot"] == 1
+
+
+def test_index_unavailable_and_gone_replicas_are_named_fallbacks() -> None:
+    r = make(PrefillRouter, "prefill")
+    cands = replicas(r, "a", "b")
+    choose(r, cands, pending(prefill_req(1000, None)))  # the index gave no answer
+    ranks = choose(r, cands, pending(prefill_req(1000, {"gone": 896, "b": 128})))
+    assert ranks[0] == ["b"]  # the gone replica's entries are ignored
+    choose(r, cands, pending(prefill_req(1000, {}, pin="gone")))
+    assert choose(r, cands, pending(prefill_req(1000, {"b": 896}, pin="a")))[0] == ["a"]
+    fb = router_stats(r._deployment_id.app_name, "prefill")["fallbacks"]
+    assert fb == {"index_unavailable": 1, "matched_replica_gone": 1, "pinned_replica_gone": 1}
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "least_loaded", "prefix_only"])
+def test_other_policies_are_selectable(policy: str) -> None:
+    r = make(PrefillRouter, "prefill", policy=policy)
+    cands = replicas(r, "a", "b")
+    picks = [choose(r, cands, pending(prefill_req(1000, {"b": 896})))[0][0] for _ in range(4)]
+    if policy == "round_robin":
+        assert picks == ["a", "b", "a", "b"]
+    elif policy == "prefix_only":
+        assert picks == ["b", "b", "b", "b"]
+    else:  # least_loaded ignores the hit; in flight: a 1,000 tokens, b 104 per request
+        assert picks == ["a", "b", "b", "b"]
+        misses = [choose(r, cands, pending(prefill_req(1000, {})))[0][0] for _ in range(2)]
+        assert misses == ["b", "a"]  # b at 1,312 < a at 2,000, then a at 1,000 < b at 2,312
+
+
+def test_calls_without_an_engine_request_go_to_serve() -> None:
+    r = make(PrefillRouter, "prefill")
+    cands = replicas(r, "a", "b")
+    assert choose(r, cands, pending(None)) == [["a", "b"]]
+
+
+def decode_req(prompt: int, max_tokens: int = 16) -> EngineRequest:
+    return EngineRequest(
+        "d", tuple(range(prompt)), Sampling(max_tokens=max_tokens), route=RouteHint(prompt)
+    )
+
+
+def test_decode_goes_where_twp_has_headroom_and_balances_outstanding() -> None:
+    r = make(DecodeRouter, "decode", expected_output_tokens=64)
+    a, b, c = replicas(r, "a", "b", "c")
+    now = time.time()
+    a.routing_stats = {"window_tokens": 100, "token_load": 95, "free_kv_blocks": 500, "ts": now}
+    b.routing_stats = {"window_tokens": 400, "token_load": 100, "running": 3, "ts": now}
+    c.routing_stats = {"window_tokens": 400, "token_load": 300, "running": 1, "ts": now}
+    # a lacks headroom for 16 tokens; c has fewer outstanding than b
+    assert choose(r, [a, b, c], pending(decode_req(300)))[0] == ["c"]
+    # c's dispatched request counts as outstanding until reported: 2 vs b's 3
+    assert choose(r, [a, b, c], pending(decode_req(300)))[0] == ["c"]
+    assert choose(r, [a, b, c], pending(decode_req(300)))[0] in (["b"], ["c"])
+
+
+def test_decode_without_headroom_anywhere_is_counted_not_held() -> None:
+    r = make(DecodeRouter, "decode")
+    a, b = replicas(r, "a", "b")
+    a.routing_stats = {"window_tokens": 10, "token_load": 10, "running": 4}
+    b.routing_stats = {"window_tokens": 10, "token_load": 10, "running": 2}
+    assert choose(r, [a, b], pending(decode_req(100)))[0] == ["b"]
+    fb = router_stats(r._deployment_id.app_name, "decode")["fallbacks"]
+    assert fb == {"no_decode_headroom": 1}
+    # not enough free KV for the prompt's blocks is no headroom either
+    a.routing_stats = {"free_kv_blocks": 1, "total_kv_blocks": 100}
+    b.routing_stats = {"free_kv_blocks": 50, "total_kv_blocks": 100}
+    assert choose(r, [a, b], pending(decode_req(1000)))[0] == ["b"]
+
+
+def update(router: Any, reps: list[Replica]) -> None:
+    async def run() -> None:  # Serve calls it on the router's loop (it probes new replicas)
+        router.update_replicas(reps)
+        await asyncio.sleep(0)
+
+    asyncio.run(run())
+
+
+def test_directory_follows_serve_and_counts_deaths() -> None:
+    r = make(PrefillRouter, "prefill")
+    dep = r._deployment_id
+    a, b = replicas(r, "a", "b")
+    a.routing_stats = {"kv_events": "tcp://h:1"}
+    update(r, [a, b])
+    d = directory(dep.app_name, "prefill")
+    assert d.snapshot() == {"a": {"kv_events": "tcp://h:1"}, "b": {}}
+    v = d.version
+    r.on_replica_actor_died(ReplicaID("a", dep))
+    assert set(d.snapshot()) == {"b"} and d.version > v
+    assert router_stats(dep.app_name, "prefill")["fallbacks"]["replica_died"] == 1
+
+
+def test_serve_default_router_keeps_the_books() -> None:
+    r = make(ServeDefaultRouter, "prefill", policy="serve_default")
+    dep = r._deployment_id
+    a, b = replicas(r, "a", "b")
+    update(r, [a, b])
+    p = pending(prefill_req(1000, {"a": 896}))
+    ranks = choose(r, [a, b], p)
+    assert sorted(sum(ranks, [])) == ["a", "b"]  # power of two: both, Serve picks the shorter
+    r.on_request_completed(ReplicaID("b", dep), p.metadata.internal_request_id)
+    assert router_stats(dep.app_name, "prefill") == {
+        "policy": "serve_default",
+        "routed": {"b": 1},
+        "fallbacks": {},
+    }
