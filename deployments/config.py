@@ -189,6 +189,13 @@ class EngineConfig(_Strict):
     )
     enforce_eager: bool = Field(default=True, description="Skip graph capture / compilation.")
     enable_prefix_caching: bool = Field(default=True, description="vLLM's local prefix cache.")
+    transfer_poll_s: float = Field(
+        default=0.002,
+        gt=0,
+        le=0.1,
+        description="How often the engine steps while only KV transfers are in flight (no "
+        "model work): polling instead of spinning keeps the replica responsive.",
+    )
     kv_load_failure_policy: Literal["recompute", "fail"] = Field(
         default="recompute",
         description="What decode does when a KV transfer fails: recompute the prefill "

@@ -110,12 +110,21 @@ class InProcessEngine:
     any number of coroutines of one event loop and yields that request's ``RequestOutput``s in
     order. The thread steps while the scheduler has requests (``has_requests()``, which also
     covers a connector's pending KV sends) and sleeps on an event otherwise, so an idle engine
-    costs no CPU. ``load`` is the scheduler's load report
+    costs no CPU; while only KV transfers are in flight (a prefill's blocks held for the decode
+    side, a decode's blocks being pulled) it steps every ``transfer_poll_s`` instead of
+    spinning. ``load`` is the scheduler's load report
     (:func:`engines.runtime.load_report` plus ``ts``, wall-clock seconds), refreshed on the
     engine thread after every step and when it goes idle.
     """
 
-    def __init__(self, launch: EngineLaunch, stat_loggers: list[Any]) -> None:
+    def __init__(
+        self, launch: EngineLaunch, stat_loggers: list[Any], transfer_poll_s: float = 0.002
+    ) -> None:
+        global _WAITING_FOR_REMOTE_KVS
+        from vllm.v1.request import RequestStatus
+
+        _WAITING_FOR_REMOTE_KVS = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.transfer_poll_s = transfer_poll_s
         self.engine = start_engine(launch, stat_loggers)
         self.scheduler = self.engine.engine_core.engine_core.scheduler
         self.load: dict[str, Any] = {**load_report(self.scheduler), "ts": time.time()}
@@ -144,6 +153,13 @@ class InProcessEngine:
                                 self._sinks.pop(out.request_id, None)
                     # the routers' view, taken between steps on this thread (one reference swap)
                     self.load = {**load_report(self.scheduler), "ts": time.time()}
+                    if not self._computing():
+                        # Only KV transfers in flight (blocks held for a remote decode, or a
+                        # load being pulled): poll them, do not spin. A spinning step loop
+                        # holds the interpreter lock, and the replica's event loop (calls
+                        # in, chunks out) then waits hundreds of ms; a new request wakes it.
+                        self._wake.wait(self.transfer_poll_s)
+                        self._wake.clear()
                 else:
                     self.load = {**load_report(self.scheduler), "ts": time.time()}
                     self._wake.wait(0.5)
@@ -153,6 +169,14 @@ class InProcessEngine:
             for sink in list(self._sinks.values()):
                 sink(e)
             self._sinks.clear()
+
+    def _computing(self) -> bool:
+        """Whether the next step has model work: a running request, or a waiting one that is
+        not just waiting for remote KV."""
+        s = self.scheduler
+        if s.running:
+            return True
+        return any(r.status != _WAITING_FOR_REMOTE_KVS for r in s.waiting)
 
     def _submit(self, fn: Callable[[], None]) -> None:
         if self.failure is not None:
@@ -209,6 +233,9 @@ class InProcessEngine:
     def shutdown(self) -> None:
         self._stop = True
         self._wake.set()
+
+
+_WAITING_FOR_REMOTE_KVS: Any = None
 
 
 def _free_port(taken: set[int]) -> int:
@@ -271,7 +298,9 @@ class EngineReplica:
         )
         self.counters = EngineCounters()
         self.engine = InProcessEngine(
-            engine_launch(self.cfg, role, self.ports), [make_counter_logger(self.counters)]
+            engine_launch(self.cfg, role, self.ports),
+            [make_counter_logger(self.counters)],
+            transfer_poll_s=self.cfg.engine(role).transfer_poll_s,
         )
         self._ready = False
         self._seq = 0
