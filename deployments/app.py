@@ -50,8 +50,8 @@ class Ingress:
         return await self.core.health()
 
     @api.get("/v1/pdserve/stats")
-    async def stats(self) -> Any:
-        return await self.core.stats()
+    async def stats(self, reset: bool = False) -> Any:
+        return await self.core.stats(reset=reset)
 
     @api.post("/v1/pdserve/route")
     async def route(self, request: Request, body: CompletionRequest) -> Any:

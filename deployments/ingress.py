@@ -31,7 +31,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -137,6 +137,8 @@ class Prepared:
     stream: bool
     with_usage: bool
     t0: float
+    #: wall seconds per phase (filled as the request goes; see ``IngressCore.phases``)
+    timing: dict[str, float] = field(default_factory=dict)
 
     @property
     def salt(self) -> str:
@@ -198,6 +200,15 @@ class IngressCore:
         self._sync_task: asyncio.Task[None] | None = None
         self._synced_version = -1
         self.overhead_s: deque[float] = deque(maxlen=4096)
+        #: per phase, the last requests' seconds outside the engines: ``prepare`` (auth,
+        #: tokenize, hash), ``route`` (index lookup), ``prefill`` (the prefill call's wall
+        #: time minus the replica's engine time: routing, transport, queueing in Serve),
+        #: ``decode_first`` (the same up to the decode's first chunk), ``decode`` (up to its
+        #: last), ``respond`` (after the last chunk until the response is done)
+        self.phases: dict[str, deque[float]] = {
+            k: deque(maxlen=4096)
+            for k in ("prepare", "route", "prefill", "decode_first", "decode", "respond")
+        }
         self.requests = 0
         self.refused = 0
 
@@ -260,8 +271,9 @@ class IngressCore:
             ],
         }
 
-    async def stats(self) -> dict[str, Any]:
-        """Replicas (from their last load reports), routers, index and ingress counters."""
+    async def stats(self, reset: bool = False) -> dict[str, Any]:
+        """Replicas (from their last load reports), routers, index and ingress counters;
+        ``reset`` starts this ingress's overhead and phase samples afresh after reading."""
         from controllers.stats import summarize
 
         self._ensure_started()
@@ -280,6 +292,17 @@ class IngressCore:
                 for k in ("routed", "prompt_tokens", "cached_tokens", "external_hits")
             }
         routers = {role: router_stats(self.app_name, role) for role in ("prefill", "decode")}
+        ingress = {
+            "replica": self.replica_id,
+            "requests": self.requests,
+            "refused": self.refused,
+            "overhead_s": summarize(list(self.overhead_s)) if self.overhead_s else None,
+            "phases_s": {k: summarize(list(v)) for k, v in self.phases.items() if v},
+        }
+        if reset:
+            self.overhead_s.clear()
+            for v in self.phases.values():
+                v.clear()
         fallbacks: dict[str, int] = {}
         for r in routers.values():
             for name, n in r["fallbacks"].items():
@@ -298,12 +321,7 @@ class IngressCore:
                 **self.index.stats.__dict__,
                 "feeds": self.index.feed_stats(),
             },
-            "ingress": {
-                "replica": self.replica_id,
-                "requests": self.requests,
-                "refused": self.refused,
-                "overhead_s": summarize(list(self.overhead_s)) if self.overhead_s else None,
-            },
+            "ingress": ingress,
         }
 
     async def explain(
@@ -382,7 +400,7 @@ class IngressCore:
             ids, sampling, hashes = await asyncio.to_thread(work)
         else:
             ids, sampling, hashes = work()
-        return Prepared(
+        prep = Prepared(
             rid=new_id("chatcmpl" if chat else "cmpl"),
             chat=chat,
             tenant=tenant,
@@ -393,10 +411,14 @@ class IngressCore:
             with_usage=include_usage(body),
             t0=t0,
         )
+        prep.timing["prepare"] = time.monotonic() - t0
+        return prep
 
     async def route(self, prep: Prepared) -> RouteHint:
         """The index's answer for the prompt, as the prefill router's hint (never raises)."""
+        t = time.monotonic()
         match = await self.index.match(prep.hashes) if prep.hashes else None
+        prep.timing["route"] = time.monotonic() - t
         return RouteHint(
             prompt_tokens=len(prep.ids),
             matches=None if match is None else match.by_replica,
@@ -408,9 +430,11 @@ class IngressCore:
     async def run_prefill(self, prep: Prepared, hint: RouteHint) -> EngineChunk:
         """One output token on the routed prefill replica; 502/504 as :class:`RequestError`."""
         req = EngineRequest(prep.rid, prep.ids, prep.sampling, cache_salt=prep.salt, route=hint)
+        t = time.monotonic()
         call = self.prefill.prefill.remote(req)
         try:
             pre: EngineChunk = await asyncio.wait_for(call, self.cfg.ingress.engine_timeout_s)
+            prep.timing["prefill"] = time.monotonic() - t - pre.engine_s
             return pre
         except TimeoutError:
             _cancel(call)  # or the prefill runs on and holds KV blocks nobody will read
@@ -431,6 +455,7 @@ class IngressCore:
             kv_transfer_params=pre.kv_transfer_params,
             route=RouteHint(len(prep.ids), None, prep.sampling.max_tokens),
         )
+        t = time.monotonic()
         stream = self.decode_stream.decode.remote(dreq)
         it = stream.__aiter__()
         deadline = asyncio.get_running_loop().time() + self.cfg.ingress.engine_timeout_s
@@ -448,6 +473,10 @@ class IngressCore:
                 except Exception as e:
                     log.warning("decode failed for %s: %s", prep.rid, e)
                     raise RequestError(f"decode failed: {_reason(e)}", None, status=502) from None
+                waited = time.monotonic() - t - ch.engine_s
+                prep.timing.setdefault("decode_first", waited)
+                prep.timing["decode"] = waited
+                prep.timing["_last_chunk_at"] = time.monotonic()
                 if ch.finish_reason is not None and ch.finish_reason not in FINISH_REASONS:
                     raise RequestError(f"decode ended with {ch.finish_reason!r}", None, status=502)
                 yield ch
@@ -472,7 +501,7 @@ class IngressCore:
             return _error(e)
         engine_s = pre.engine_s + (last.engine_s if last else 0.0)
         total_s = time.monotonic() - prep.t0
-        self.overhead_s.append(max(0.0, total_s - engine_s))
+        self._record(prep, total_s - engine_s)
         out = completion_body(
             prep.rid,
             self.model_name,
@@ -526,7 +555,17 @@ class IngressCore:
             yield sse(stream_chunk(prep.rid, m, created, chat=prep.chat, use=use))
         yield "data: [DONE]\n\n"
         engine_s = pre.engine_s + (last.engine_s if last else 0.0)
-        self.overhead_s.append(max(0.0, time.monotonic() - prep.t0 - engine_s))
+        self._record(prep, time.monotonic() - prep.t0 - engine_s)
+
+    def _record(self, prep: Prepared, overhead_s: float) -> None:
+        """One finished request's overhead and phase times (see ``phases``)."""
+        self.overhead_s.append(max(0.0, overhead_s))
+        for k, v in prep.timing.items():
+            if not k.startswith("_"):
+                self.phases[k].append(max(0.0, v))
+        last = prep.timing.get("_last_chunk_at")
+        if last is not None:
+            self.phases["respond"].append(time.monotonic() - last)
 
 
 def _size(body: CompletionRequest | ChatCompletionRequest) -> int:
