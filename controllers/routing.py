@@ -330,3 +330,68 @@ def route(
     return state, RouteDecision(
         p_id, d_id, "pd" if d_id else "prefill_only", reason, matched, score
     )
+
+
+class InflightPrefixes:
+    """Prompt blocks the router has sent to each prefill replica that the replica has not yet
+    computed, so they count as that replica's prefix before its KV events say so.
+
+    Without it, requests that share a new prefix and arrive while the first of them still
+    waits in a prefill queue find nothing in the index and are spread by load, and every
+    replica computes the prefix cold (measured on the live app: under a backlog, prefix_load's
+    cached-token ratio fell to round-robin's). An entry lives from the routing decision until
+    ``grace_s`` after the call completes (by then the replica's KV events have reached the
+    index) or, for a call whose completion never arrives, ``ttl_s`` after it was added.
+
+    The router's own mutable bookkeeping (one per router; not thread-safe: the router holds
+    its lock). Block hashes are any ints the caller uses consistently.
+    """
+
+    def __init__(self, grace_s: float = 2.0, ttl_s: float = 300.0) -> None:
+        self.grace_s = grace_s
+        self.ttl_s = ttl_s
+        self._held: dict[str, dict[int, int]] = {}  # replica -> block -> requests holding it
+        self._entries: dict[str, tuple[str, tuple[int, ...], float]] = {}  # key -> entry
+        self._expires: dict[str, float] = {}  # key -> when its blocks stop counting
+
+    def add(self, key: str, replica: str, hashes: Sequence[int], now: float) -> None:
+        """Request ``key``'s prompt blocks are on their way to ``replica``."""
+        if key in self._entries or not hashes:
+            return
+        held = self._held.setdefault(replica, {})
+        for h in hashes:
+            held[h] = held.get(h, 0) + 1
+        self._entries[key] = (replica, tuple(hashes), now)
+        self._expires[key] = now + self.ttl_s
+
+    def done(self, key: str, now: float) -> None:
+        """Request ``key`` completed: its blocks count ``grace_s`` longer."""
+        if key in self._entries:
+            self._expires[key] = min(self._expires[key], now + self.grace_s)
+
+    def expire(self, now: float) -> None:
+        for key in [k for k, t in self._expires.items() if t <= now]:
+            replica, hashes, _ = self._entries.pop(key)
+            del self._expires[key]
+            held = self._held[replica]
+            for h in hashes:
+                n = held[h] - 1
+                if n:
+                    held[h] = n
+                else:
+                    del held[h]
+
+    def leading(self, replica: str, hashes: Sequence[int]) -> int:
+        """How many leading blocks of ``hashes`` are on their way to ``replica``."""
+        held = self._held.get(replica)
+        if not held:
+            return 0
+        n = 0
+        for h in hashes:
+            if h not in held:
+                break
+            n += 1
+        return n
+
+    def __len__(self) -> int:
+        return len(self._entries)

@@ -92,8 +92,7 @@ def request_router_config(cfg: AppConfig, role: Role) -> RequestRouterConfig:
     kwargs: dict[str, Any] = {"routing": routing}
     if cfg.routing.policy != "serve_default":
         cls = PrefillRouter if role == "prefill" else DecodeRouter
-        if role == "decode":
-            kwargs["block_size"] = cfg.hashing.block_size
+        kwargs["block_size"] = cfg.hashing.block_size
     options: dict[str, Any] = {
         "request_router_class": cls,
         "request_router_kwargs": kwargs,

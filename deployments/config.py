@@ -202,16 +202,6 @@ class EngineConfig(_Strict):
         "(counted in the replica's kv_load_failures) or fail the request.",
     )
 
-    @field_validator("scheduler_config")
-    @classmethod
-    def _profile_resolves(cls, v: EngineSchedulerConfig | None) -> EngineSchedulerConfig | None:
-        if v is not None and isinstance(v.profile, str):
-            try:
-                v.load_profile()
-            except Exception as e:  # a missing file or an unknown shipped name
-                raise ValueError(f"profile: {v.profile!r} cannot be loaded: {e}") from None
-        return v
-
     @model_validator(mode="after")
     def _config_needs_class(self) -> EngineConfig:
         if self.scheduler_config is not None and self.scheduler_cls is None:

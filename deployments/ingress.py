@@ -425,6 +425,7 @@ class IngressCore:
             expected_output_tokens=min(
                 prep.sampling.max_tokens, self.cfg.routing.expected_output_tokens
             ),
+            block_hashes=tuple(prep.hashes.get("engine") or next(iter(prep.hashes.values()), ())),
         )
 
     async def run_prefill(self, prep: Prepared, hint: RouteHint) -> EngineChunk:

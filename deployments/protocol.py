@@ -47,15 +47,18 @@ class RouteHint:
 
     ``matches`` maps a prefill replica id (Serve's replica id) to the prompt tokens of the
     leading blocks it holds, by the prefix index; ``None`` when the index gave no answer in
-    time (the router then routes by load and counts ``index_unavailable``). ``pin`` forces a
-    replica (the start-up probe, tests); when it is gone the router counts
-    ``pinned_replica_gone`` and routes as usual.
+    time (the router then routes by load and counts ``index_unavailable``). ``block_hashes``
+    are the prompt's block hashes, so the router can count the blocks it has sent to a replica
+    that the index does not show yet (:class:`controllers.routing.InflightPrefixes`). ``pin``
+    forces a replica (tests); when it is gone the router counts ``pinned_replica_gone`` and
+    routes as usual.
     """
 
     prompt_tokens: int
     matches: dict[str, int] | None = None
     expected_output_tokens: int = 1
     pin: str | None = None
+    block_hashes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

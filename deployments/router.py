@@ -12,7 +12,9 @@ that replica's queue is full, then to the next).
   default; ``round_robin``, ``least_loaded``, ``prefix_only``). The index's replica ids are
   Serve's replica ids. Tokens the router has sent that a replica has not yet reported are kept
   in a :class:`controllers.routing.RouterState` (retired by a later report, by completion, or
-  by their TTL).
+  by their TTL), and the prompt blocks it has sent that the index does not show yet count as
+  that replica's prefix (:class:`controllers.routing.InflightPrefixes`), so requests sharing
+  a new prefix follow the first one instead of being spread while it waits in a queue.
 - :class:`DecodeRouter`: :func:`controllers.routing.rank_decode` (TWP headroom filters, the
   outstanding count balances). When no replica has headroom it still sends (to the least
   loaded) and counts ``no_decode_headroom``: the decode engine's own TWP gate holds it, and
@@ -47,6 +49,7 @@ from ray.serve.request_router import (
 
 from controllers.routing import (
     DecodeReplicaLoad,
+    InflightPrefixes,
     PrefillReplicaLoad,
     RouteRequest,
     RouterState,
@@ -64,6 +67,9 @@ log = logging.getLogger(__name__)
 #: A report retires in-flight tokens dispatched at least this long before it was taken: a
 #: request in transit to the replica when the report was taken is not in it yet.
 REPORT_MARGIN_S = 0.05
+#: Most decisions and in-flight entries kept (oldest dropped first): a bound for calls whose
+#: completion never arrives.
+MAX_TRACKED = 100_000
 #: Window of a decode replica without a TWP gate (no pacing limit).
 UNPACED_WINDOW = 1e12
 
@@ -96,6 +102,7 @@ class _Bookkeeping:
         self._decided: dict[str, str] = {}
         # internal request id -> (replica, dispatched_at, tokens) while in flight
         self._inflight: dict[str, tuple[str, float, int]] = {}
+        self.pending = InflightPrefixes(ttl_s=self.cfg.inflight_ttl_s)
 
     # -- Serve's hooks -----------------------------------------------------------------------
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
@@ -110,6 +117,7 @@ class _Bookkeeping:
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         """A call finished (any outcome): its tokens are no longer in flight."""
         with self._lock:
+            self.pending.done(internal_request_id, time.time())
             entry = self._inflight.pop(internal_request_id, None)
             self._decided.pop(internal_request_id, None)
             if entry is None:
@@ -131,9 +139,10 @@ class _Bookkeeping:
             ts = float(r.routing_stats.get("ts", 0.0) or 0.0)
             if ts > self._seen_ts.get(rid, 0.0):
                 self._seen_ts[rid] = ts
-                self.state = on_report(self.state, rid, ts - REPORT_MARGIN_S, now, ttl)
-                covered = [k for k, (x, at, _) in self._inflight.items() if x == rid and at <= ts]
-                for k in covered:
+                cutoff = ts - REPORT_MARGIN_S
+                self.state = on_report(self.state, rid, cutoff, now, ttl)
+                gone = [k for k, (x, at, _) in self._inflight.items() if x == rid and at <= cutoff]
+                for k in gone:
                     del self._inflight[k]
 
     def _dispatch(self, key: str, rid: str, tokens: int, now: float) -> None:
@@ -141,6 +150,9 @@ class _Bookkeeping:
         replica's queue is full, which ``max_ongoing_requests`` makes rare)."""
         self.state = on_dispatch(self.state, rid, tokens, now)
         self._inflight[key] = (rid, now, tokens)
+        for book in (self._decided, self._inflight):  # calls that never completed (cancelled)
+            while len(book) > MAX_TRACKED:
+                del book[next(iter(book))]
         with self.counters.lock:
             self.counters.routed[rid] += 1
 
@@ -159,8 +171,11 @@ class PrefillRouter(_Bookkeeping, RequestRouter):
 
     role = "prefill"
 
-    def initialize_state(self, routing: dict[str, Any] | None = None, **_: Any) -> None:
+    def initialize_state(
+        self, routing: dict[str, Any] | None = None, block_size: int = 128, **_: Any
+    ) -> None:
         self._init_bookkeeping(routing or {})
+        self.block_size = block_size
 
     async def choose_replicas(
         self,
@@ -199,6 +214,12 @@ class PrefillRouter(_Bookkeeping, RequestRouter):
             matches = {r: n for r, n in matches.items() if r in ids}
             if gone and max(gone.values()) > max(matches.values(), default=0):
                 self.counters.count("matched_replica_gone")
+            # blocks sent to a replica and not yet indexed count as its prefix
+            self.pending.expire(now)
+            for rid in ids:
+                sent = self.pending.leading(rid, hint.block_hashes) * self.block_size
+                if sent > matches.get(rid, 0):
+                    matches[rid] = min(sent, p)
         loads = [
             PrefillReplicaLoad(
                 replica_id=r.replica_id.unique_id,
@@ -225,6 +246,7 @@ class PrefillRouter(_Bookkeeping, RequestRouter):
             return []
         self._decided[key] = chosen
         self._dispatch(key, chosen, p - min(p, m.get(chosen, 0)), now)
+        self.pending.add(key, chosen, hint.block_hashes, now)
         ttl = self.cfg.inflight_ttl_s
         rest = sorted(
             (i for i in ids if i != chosen),

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from controllers.config import FairwayConfig
 from controllers.decode.config import TWPConfig
@@ -63,6 +63,20 @@ class EngineSchedulerConfig(BaseModel):
     history_steps: int = Field(
         default=20000, ge=1, description="Per-step timing records kept in memory (a ring)."
     )
+
+    @field_validator("profile")
+    @classmethod
+    def _profile_loads(cls, v: EngineProfile | str | None) -> EngineProfile | str | None:
+        """A profile named by path or shipped name must load (at deploy time, not in the
+        engine later)."""
+        if isinstance(v, str):
+            from engines.profile_store import load_profile
+
+            try:
+                load_profile(v)
+            except Exception as e:  # a missing file, a bad shipped name, a malformed JSON
+                raise ValueError(f"{v!r} cannot be loaded: {e}") from None
+        return v
 
     @model_validator(mode="after")
     def _check(self) -> EngineSchedulerConfig:

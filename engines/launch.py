@@ -23,21 +23,13 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engines.config import ADDITIONAL_CONFIG_KEY, EngineSchedulerConfig
 
 #: The scheduler plug-ins the project ships (``scheduler_cls`` must be one of them, or None).
-SHIPPED_SCHEDULERS: tuple[str, ...] = (
-    "engines.scheduler.FairwayScheduler",
-    "engines.scheduler.TWPScheduler",
-    "engines.scheduler.ColocatedScheduler",
-    "engines.scheduler.AsyncFairwayScheduler",
-    "engines.scheduler.AsyncTWPScheduler",
-    "engines.scheduler.AsyncColocatedScheduler",
-)
 SchedulerName = Literal[
     "engines.scheduler.FairwayScheduler",
     "engines.scheduler.TWPScheduler",
@@ -46,6 +38,7 @@ SchedulerName = Literal[
     "engines.scheduler.AsyncTWPScheduler",
     "engines.scheduler.AsyncColocatedScheduler",
 ]
+SHIPPED_SCHEDULERS: tuple[str, ...] = get_args(SchedulerName)
 HashAlgo = Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
 
 
@@ -146,16 +139,6 @@ class EngineLaunch(_Strict):
     kv_events: KVEventsLaunch | None = Field(default=None, description="KV events; None: off.")
     log_stats: bool = Field(default=True, description="Keep vLLM's per-step stats.")
     seed: int = Field(default=0, ge=0, description="vLLM's sampling seed.")
-
-    @field_validator("scheduler")
-    @classmethod
-    def _profile_resolves(cls, v: EngineSchedulerConfig | None) -> EngineSchedulerConfig | None:
-        if v is not None and isinstance(v.profile, str):
-            try:
-                v.load_profile()
-            except Exception as e:  # a missing file or a bad shipped name
-                raise ValueError(f"profile: {v.profile!r} cannot be loaded: {e}") from None
-        return v
 
     @model_validator(mode="after")
     def _check(self) -> EngineLaunch:

@@ -63,12 +63,17 @@ def pending(req: EngineRequest | None) -> PendingRequest:
     return PendingRequest(args=args, kwargs={}, metadata=meta, future=None)  # type: ignore[arg-type]
 
 
-def prefill_req(prompt: int, matches: dict[str, int] | None, pin: str | None = None) -> Any:
+def prefill_req(
+    prompt: int,
+    matches: dict[str, int] | None,
+    pin: str | None = None,
+    hashes: tuple[int, ...] = (),
+) -> Any:
     return EngineRequest(
         "x",
         tuple(range(prompt)),
         Sampling(max_tokens=8),
-        route=RouteHint(prompt, matches, 8, pin),
+        route=RouteHint(prompt, matches, 8, pin, hashes),
     )
 
 
@@ -106,6 +111,22 @@ def test_inflight_tokens_spread_misses_until_a_report_covers_them() -> None:
     third = choose(r, cands, pending(prefill_req(2000, {})))[0][0]
     fourth = choose(r, cands, pending(prefill_req(2000, {})))[0][0]
     assert {third, fourth} == {"a", "b"}
+
+
+def test_a_new_prefix_follows_the_first_request_before_the_index_has_it() -> None:
+    r = make(PrefillRouter, "prefill")
+    cands = replicas(r, "a", "b")
+    doc = tuple(range(100, 112))  # 12 blocks nobody has computed yet
+    p1 = pending(prefill_req(1600, {}, hashes=doc))
+    first = choose(r, cands, p1)[0][0]
+    # the index still knows nothing; the blocks on their way to `first` count
+    followers = [
+        choose(r, cands, pending(prefill_req(1600, {}, hashes=doc)))[0][0] for _ in range(3)
+    ]
+    assert followers == [first] * 3
+    # a different new document goes by load, to the other replica
+    other = choose(r, cands, pending(prefill_req(1600, {}, hashes=tuple(range(500, 512)))))
+    assert other[0] != [first]
 
 
 def test_completion_retires_inflight_tokens() -> None:

@@ -186,3 +186,20 @@ def test_headroom_dispatch_uses_the_same_rule() -> None:
     assert d.choose(DispatchRequest("r", 100, 1, 50), views) == 2
     full = [ContainerView(0, True, False, 0, 100, 100, 40, 39)]
     assert d.choose(DispatchRequest("r", 100, 1, 50), full) is None and d.held == 1
+
+
+def test_inflight_prefixes_count_until_shortly_after_completion() -> None:
+    from controllers.routing import InflightPrefixes
+
+    p = InflightPrefixes(grace_s=2.0, ttl_s=100.0)
+    p.add("r1", "a", [1, 2, 3], now=0.0)
+    p.add("r2", "a", [1, 2, 9], now=0.0)
+    assert p.leading("a", [1, 2, 3, 4]) == 3 and p.leading("b", [1, 2]) == 0
+    assert p.leading("a", [2, 3]) == 2 and p.leading("a", [5, 1]) == 0  # leading only
+    p.done("r1", now=10.0)
+    p.expire(now=11.0)
+    assert p.leading("a", [1, 2, 3]) == 3  # the grace: its KV events may not be in yet
+    p.expire(now=12.0)
+    assert p.leading("a", [1, 2, 3]) == 2  # r2 still holds 1 and 2
+    p.expire(now=100.0)  # r2 never completed: its TTL
+    assert p.leading("a", [1, 2]) == 0 and len(p) == 0
