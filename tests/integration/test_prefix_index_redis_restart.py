@@ -1,7 +1,7 @@
 """A Redis restart loses the index; the feed rebuilds it from its in-memory block sets,
-including a block stored while Redis was down. And the match channel (the Redis backend's
-dedicated connection for lookups) survives what a connection meets: a killed connection, a
-flushed script cache, callers that give up, a password and a database number."""
+including a block stored while Redis was down. Lookups survive what a connection meets: a
+killed connection, a flushed script cache, callers that give up, a password and a database
+number."""
 
 from __future__ import annotations
 
