@@ -265,7 +265,9 @@ class IndexConfig(_Strict):
         "index (routing by load only).",
     )
     redis_url: str = Field(
-        default="redis://127.0.0.1:6379/0", description="redis:// URL of the Redis backend."
+        default="redis://127.0.0.1:6380/0",
+        description="redis:// URL of the Redis backend (the default port is 6380, not Redis's "
+        "6379: a Ray head node's GCS listens on 6379).",
     )
     lookup_timeout_s: float = Field(
         default=0.02,

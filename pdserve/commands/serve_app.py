@@ -126,6 +126,12 @@ def _ensure_local_redis(url: str, workdir: Path) -> None:
     port = u.port or 6379
     if u.scheme != "redis" or u.hostname not in ("127.0.0.1", "localhost"):
         return  # a remote Redis is the operator's to run
+    if port == 6379:
+        raise typer.BadParameter(
+            f"index.redis_url: {url} is port 6379, where a local Ray head's GCS listens; "
+            "use another port (the shipped configs use 6380)",
+            param_hint="--config",
+        )
     if ping(port):
         return
     typer.echo(f"pdserve: starting redis-server on 127.0.0.1:{port} (index.redis_url)")
