@@ -120,10 +120,9 @@ class InProcessEngine:
     def __init__(
         self, launch: EngineLaunch, stat_loggers: list[Any], transfer_poll_s: float = 0.002
     ) -> None:
-        global _WAITING_FOR_REMOTE_KVS
         from vllm.v1.request import RequestStatus
 
-        _WAITING_FOR_REMOTE_KVS = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self._remote_kvs = RequestStatus.WAITING_FOR_REMOTE_KVS
         self.transfer_poll_s = transfer_poll_s
         self.engine = start_engine(launch, stat_loggers)
         self.scheduler = self.engine.engine_core.engine_core.scheduler
@@ -176,7 +175,7 @@ class InProcessEngine:
         s = self.scheduler
         if s.running:
             return True
-        return any(r.status != _WAITING_FOR_REMOTE_KVS for r in s.waiting)
+        return any(r.status != self._remote_kvs for r in s.waiting)
 
     def _submit(self, fn: Callable[[], None]) -> None:
         if self.failure is not None:
@@ -233,9 +232,6 @@ class InProcessEngine:
     def shutdown(self) -> None:
         self._stop = True
         self._wake.set()
-
-
-_WAITING_FOR_REMOTE_KVS: Any = None
 
 
 def _free_port(taken: set[int]) -> int:

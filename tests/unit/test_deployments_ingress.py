@@ -99,6 +99,10 @@ def wired(tiny_model_dir: Path) -> Any:
     async def health() -> Any:
         return await core.health()
 
+    @app.get("/stats")
+    async def stats(reset: bool = False) -> Any:
+        return await core.stats(reset=reset)
+
     return TestClient(app), pre, dec
 
 
@@ -121,6 +125,28 @@ def test_kv_params_go_from_prefill_to_decode_with_the_tenant_salt(wired: Any) ->
     assert pre.seen[-1].cache_salt == "bob" and pre.seen[-1].kv_transfer_params is None
     assert dec.seen[-1].kv_transfer_params == KV
     assert dec.seen[-1].prompt_token_ids == pre.seen[-1].prompt_token_ids
+
+
+def test_route_hint_and_phase_timings(wired: Any) -> None:
+    client, pre, dec = wired
+    client.get("/stats", params={"reset": True})
+    r = client.post(
+        "/v1/completions",
+        json={"model": "test", "prompt": "hello there", "max_tokens": 300},
+        headers=auth(),
+    )
+    assert r.status_code == 200, r.text
+    hint = pre.seen[-1].route
+    assert hint is not None and hint.prompt_tokens == len(pre.seen[-1].prompt_token_ids)
+    assert hint.matches is None  # index.backend: none -> the router routes by load
+    assert hint.expected_output_tokens == 64  # min(max_tokens, routing.expected_output_tokens)
+    assert dec.seen[-1].route is not None and dec.seen[-1].route.expected_output_tokens == 300
+    s = client.get("/stats").json()
+    phases = s["ingress"]["phases_s"]
+    assert set(phases) == {"prepare", "route", "prefill", "decode_first", "decode", "respond"}
+    assert all(p["n"] == 1 for p in phases.values())
+    assert s["ingress"]["overhead_s"]["n"] == 1
+    assert s["index"]["backend"] == "none" and s["router"]["policy"] == "prefix_load"
 
 
 def test_sse_stream_with_usage_and_done(wired: Any) -> None:
