@@ -309,7 +309,7 @@ def _vocab(model: Path) -> int:
     return min(int(cfg["vocab_size"]), int(tok.get_vocab_size()))
 
 
-def ratios(res: dict[str, Any], base: str) -> dict[str, dict[str, float]]:
+def ratios(res: dict[str, Any], base: str) -> dict[str, dict[str, float | None]]:
     """Each policy's TTFT p50 and p99 relative to ``base``'s (same run)."""
     pol = res["policies"]
     if base not in pol:
