@@ -13,7 +13,7 @@ run off the event loop:
   then routes by load and counts ``index_unavailable``). Never raises.
 
 ``sync()`` reconciles the view with the prefill replicas the router knows
-(:class:`deployments.router.ReplicaDirectory`), so the index follows replicas as they start,
+(:class:`deployments.router_registry.ReplicaDirectory`), so the index follows replicas as they start,
 restart and stop:
 
 - ``memory`` backend: the index lives in this process and a :class:`cluster.feed.KVEventFeed`
