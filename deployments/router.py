@@ -166,10 +166,10 @@ class _Bookkeeping:
         return [x for x in (first, rest) if x]
 
 
-class PrefillRouter(_Bookkeeping, RequestRouter):
-    """Routes prefill calls by :func:`controllers.routing.choose_prefill`."""
-
-    role = "prefill"
+class _PolicyRouter(_Bookkeeping, RequestRouter):
+    """The shared mechanism of the policy routers: an engine call is decided once (a retry in
+    Serve's backoff loop keeps the choice), recorded as dispatched, and ranked for Serve;
+    other calls (ready, stats) go to Serve's queue-length choice."""
 
     def initialize_state(
         self, routing: dict[str, Any] | None = None, block_size: int = 128, **_: Any
@@ -177,37 +177,57 @@ class PrefillRouter(_Bookkeeping, RequestRouter):
         self._init_bookkeeping(routing or {})
         self.block_size = block_size
 
+    def _routes(self, req: EngineRequest) -> bool:
+        """Whether this router decides ``req`` (else Serve does)."""
+        return True
+
+    def _decide(
+        self, key: str, req: EngineRequest, candidates: list[RunningReplica], now: float
+    ) -> tuple[list[str], int]:
+        """The replica ids best first, and the tokens the first one is sent."""
+        raise NotImplementedError
+
     async def choose_replicas(
         self,
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
         req = engine_request(pending_request)
-        if req is None or req.route is None or pending_request is None:
+        if req is None or pending_request is None or not self._routes(req):
             return [candidate_replicas]  # ready/stats calls: Serve picks by queue length
         key = pending_request.metadata.internal_request_id
-        ids = {r.replica_id.unique_id for r in candidate_replicas}
         with self._lock:
             prior = self._decided.get(key)
-            if prior is not None and prior in ids:  # a retry of a decided request
+            if prior is not None and prior in {r.replica_id.unique_id for r in candidate_replicas}:
                 return self._ranked(candidate_replicas, [prior])
-            order = self._decide(key, req, candidate_replicas, ids)
+            now = time.time()
+            self._absorb_reports(candidate_replicas, now)
+            order, tokens = self._decide(key, req, candidate_replicas, now)
+            if order:
+                self._decided[key] = order[0]
+                self._dispatch(key, order[0], tokens, now)
         return self._ranked(candidate_replicas, order)
 
+
+class PrefillRouter(_PolicyRouter):
+    """Routes prefill calls by :func:`controllers.routing.choose_prefill`."""
+
+    role = "prefill"
+
+    def _routes(self, req: EngineRequest) -> bool:
+        return req.route is not None
+
     def _decide(
-        self, key: str, req: EngineRequest, candidates: list[RunningReplica], ids: set[str]
-    ) -> list[str]:
+        self, key: str, req: EngineRequest, candidates: list[RunningReplica], now: float
+    ) -> tuple[list[str], int]:
         hint = req.route
         assert hint is not None
-        now = time.time()
-        self._absorb_reports(candidates, now)
+        ids = {r.replica_id.unique_id for r in candidates}
         p = max(1, hint.prompt_tokens)
         matches = hint.matches
         if hint.pin is not None:
             if hint.pin in ids:
-                self._decided[key] = hint.pin
-                self._dispatch(key, hint.pin, p, now)
-                return [hint.pin]
+                return [hint.pin], p
             self.counters.count("pinned_replica_gone")
         if matches is not None:
             gone = {r: n for r, n in matches.items() if r not in ids}
@@ -241,11 +261,9 @@ class PrefillRouter(_Bookkeeping, RequestRouter):
         for name, n in self.state.counters.items():
             if n > before.get(name, 0):
                 self.counters.count(name, n - before.get(name, 0))
-        m = matches or {}
         if chosen is None:
-            return []
-        self._decided[key] = chosen
-        self._dispatch(key, chosen, p - min(p, m.get(chosen, 0)), now)
+            return [], 0
+        m = matches or {}
         self.pending.add(key, chosen, hint.block_hashes, now)
         ttl = self.cfg.inflight_ttl_s
         rest = sorted(
@@ -253,71 +271,46 @@ class PrefillRouter(_Bookkeeping, RequestRouter):
             key=lambda i: (-m.get(i, 0), self.state.inflight_tokens(i, now, ttl), i),
         )
         log.debug("prefill %s -> %s (%s)", req.request_id, chosen, reason)
-        return [chosen, *rest]
+        return [chosen, *rest], p - min(p, m.get(chosen, 0))
 
 
-class DecodeRouter(_Bookkeeping, RequestRouter):
+class DecodeRouter(_PolicyRouter):
     """Routes decode calls by :func:`controllers.routing.rank_decode` (TWP headroom, KV)."""
 
     role = "decode"
 
-    def initialize_state(
-        self, routing: dict[str, Any] | None = None, block_size: int = 128, **_: Any
-    ) -> None:
-        self._init_bookkeeping(routing or {})
-        self.block_size = block_size
-
-    async def choose_replicas(
-        self,
-        candidate_replicas: list[RunningReplica],
-        pending_request: PendingRequest | None = None,
-    ) -> list[list[RunningReplica]]:
-        req = engine_request(pending_request)
-        if req is None or pending_request is None:
-            return [candidate_replicas]
-        key = pending_request.metadata.internal_request_id
-        ids = {r.replica_id.unique_id for r in candidate_replicas}
-        with self._lock:
-            prior = self._decided.get(key)
-            if prior is not None and prior in ids:
-                return self._ranked(candidate_replicas, [prior])
-            now = time.time()
-            self._absorb_reports(candidate_replicas, now)
-            ttl = self.cfg.inflight_ttl_s
-            loads = []
-            for r in candidate_replicas:
-                s = r.routing_stats
-                rid = r.replica_id.unique_id
-                window = s.get("window_tokens")
-                loads.append(
-                    DecodeReplicaLoad(
-                        replica_id=rid,
-                        window_tokens=UNPACED_WINDOW if window is None else float(window),
-                        token_load=float(s.get("token_load") or 0.0),
-                        free_kv_blocks=int(s.get("free_kv_blocks", 1 << 30)),
-                        total_kv_blocks=int(s.get("total_kv_blocks", 1 << 30)),
-                        outstanding=int(s.get("running", 0))
-                        + int(s.get("waiting", 0))
-                        + len([e for e in self.state.inflight.get(rid, ()) if now - e[0] < ttl]),
-                    )
+    def _decide(
+        self, key: str, req: EngineRequest, candidates: list[RunningReplica], now: float
+    ) -> tuple[list[str], int]:
+        ttl = self.cfg.inflight_ttl_s
+        loads = []
+        for r in candidates:
+            s = r.routing_stats
+            rid = r.replica_id.unique_id
+            window = s.get("window_tokens")
+            loads.append(
+                DecodeReplicaLoad(
+                    replica_id=rid,
+                    window_tokens=UNPACED_WINDOW if window is None else float(window),
+                    token_load=float(s.get("token_load") or 0.0),
+                    free_kv_blocks=int(s.get("free_kv_blocks", 1 << 30)),
+                    total_kv_blocks=int(s.get("total_kv_blocks", 1 << 30)),
+                    # a decode call is dispatched as 1 in-flight "token": a count of calls
+                    outstanding=int(s.get("running", 0))
+                    + int(s.get("waiting", 0))
+                    + self.state.inflight_tokens(rid, now, ttl),
                 )
-            expected = min(req.sampling.max_tokens, self.cfg.expected_output_tokens)
-            rreq = RouteRequest(
-                req.request_id,
-                len(req.prompt_token_ids),
-                expected,
-                math.ceil(len(req.prompt_token_ids) / max(1, self.block_size)),
             )
-            order = rank_decode(rreq, loads, self.cfg.decode_kv_guard_blocks)
-            if not order:
-                self.counters.count("no_decode_headroom")
-                order = [
-                    d.replica_id for d in sorted(loads, key=lambda d: (d.outstanding, d.replica_id))
-                ]
-            if order:
-                self._decided[key] = order[0]
-                self._dispatch(key, order[0], 1, now)
-        return self._ranked(candidate_replicas, order)
+        n = len(req.prompt_token_ids)
+        expected = min(req.sampling.max_tokens, self.cfg.expected_output_tokens)
+        rreq = RouteRequest(req.request_id, n, expected, math.ceil(n / max(1, self.block_size)))
+        order = rank_decode(rreq, loads, self.cfg.decode_kv_guard_blocks)
+        if not order:
+            self.counters.count("no_decode_headroom")
+            order = [
+                d.replica_id for d in sorted(loads, key=lambda d: (d.outstanding, d.replica_id))
+            ]
+        return order, 1
 
 
 class ServeDefaultRouter(_Bookkeeping, PowerOfTwoChoicesRequestRouter):
