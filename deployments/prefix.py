@@ -69,7 +69,7 @@ class IndexView:
     """The ingress's index (see the module docstring); ``backend: none`` answers nothing."""
 
     def __init__(self, cfg: AppConfig, app_name: str) -> None:
-        from cluster.hashing import TOKENS_MODE_CONFIG, BlockHasher, HashMode
+        from cluster.hashing import BlockHasher, tokens_hasher
 
         self.cfg = cfg
         self.backend = cfg.index.backend
@@ -78,10 +78,7 @@ class IndexView:
         self.stats = LookupStats()
         self.hashers = {
             "engine": BlockHasher(cfg.hashing.hash_config()),
-            "tokens": BlockHasher(
-                TOKENS_MODE_CONFIG.model_copy(update={"block_size": self.block_size}),
-                HashMode.TOKENS,
-            ),
+            "tokens": tokens_hasher(self.block_size),
         }
         self.modes: dict[str, str] = {}  # replica -> its hash mode, from its reports
         self._seen: set[str] = set()
@@ -94,17 +91,11 @@ class IndexView:
             self.index = MemoryPrefixIndex()
             self.feed = KVEventFeed(self.index, heartbeat_s=cfg.index.heartbeat_s)
         elif self.backend == "redis":
-            from cluster.index import IndexConfig
             from cluster.redis_index import RedisPrefixIndex
 
             self.index = RedisPrefixIndex(
-                IndexConfig(
-                    backend="redis",
-                    redis_url=cfg.index.redis_url,
-                    app=app_name,
-                    deployment="prefill",
-                    liveness_ttl_s=cfg.index.liveness_ttl_s,
-                    socket_timeout_s=max(0.05, cfg.index.lookup_timeout_s * 5),
+                cfg.index.cluster_config(
+                    app_name, socket_timeout_s=max(0.05, cfg.index.lookup_timeout_s * 5)
                 )
             )
 
@@ -169,7 +160,7 @@ class IndexView:
         self._seen = set(live)
 
     async def _sync_feeds(self, live: dict[str, dict[str, Any]]) -> None:
-        from cluster.events import ReplicaTracker
+        from cluster.events import tracker_for
         from cluster.hashing import HashMode
 
         for rid in [r for r in self.feed.replicas if r not in live]:
@@ -178,19 +169,12 @@ class IndexView:
         for rid, s in live.items():
             if rid in self.feed.replicas or not s.get("kv_events"):
                 continue
-            tokens = self.modes.get(rid) == "tokens"
-            tracker = (
-                ReplicaTracker(
-                    HashMode.TOKENS, self.hashers["tokens"], mediums=("GPU", "CPU", None)
-                )
-                if tokens
-                else ReplicaTracker(mediums=("GPU", "CPU", None))
-            )
+            mode = HashMode(self.modes.get(rid, "engine"))
             await self.feed.add_replica(
                 rid,
                 str(s["kv_events"]),
                 replay_endpoint=s.get("kv_replay"),
-                tracker=tracker,
+                tracker=tracker_for(mode, self.block_size),
                 topic=str(s.get("kv_topic") or ""),
             )
             self.stats.replicas_followed += 1
