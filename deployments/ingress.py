@@ -124,7 +124,7 @@ class Tokenizer:
         return list(self.tok(text, add_special_tokens=False)["input_ids"])
 
 
-@dataclass(frozen=True)
+@dataclass
 class Prepared:
     """A request after the ``prepare`` phase: who sent it, its tokens, sampling and hashes."""
 
@@ -139,6 +139,8 @@ class Prepared:
     t0: float
     #: wall seconds per phase (filled as the request goes; see ``IngressCore.phases``)
     timing: dict[str, float] = field(default_factory=dict)
+    #: when the decode's last chunk arrived (monotonic; the ``respond`` phase starts there)
+    last_chunk_at: float | None = None
 
     @property
     def salt(self) -> str:
@@ -474,10 +476,10 @@ class IngressCore:
                 except Exception as e:
                     log.warning("decode failed for %s: %s", prep.rid, e)
                     raise RequestError(f"decode failed: {_reason(e)}", None, status=502) from None
-                waited = time.monotonic() - t - ch.engine_s
+                prep.last_chunk_at = time.monotonic()
+                waited = prep.last_chunk_at - t - ch.engine_s
                 prep.timing.setdefault("decode_first", waited)
                 prep.timing["decode"] = waited
-                prep.timing["_last_chunk_at"] = time.monotonic()
                 if ch.finish_reason is not None and ch.finish_reason not in FINISH_REASONS:
                     raise RequestError(f"decode ended with {ch.finish_reason!r}", None, status=502)
                 yield ch
@@ -500,9 +502,7 @@ class IngressCore:
                 last = ch
         except RequestError as e:
             return _error(e)
-        engine_s = pre.engine_s + (last.engine_s if last else 0.0)
-        total_s = time.monotonic() - prep.t0
-        self._record(prep, total_s - engine_s)
+        total_s, engine_s = self._record(prep, pre, last)
         out = completion_body(
             prep.rid,
             self.model_name,
@@ -555,18 +555,22 @@ class IngressCore:
             use = usage(pre.num_prompt_tokens, n_out, pre.num_cached_tokens)
             yield sse(stream_chunk(prep.rid, m, created, chat=prep.chat, use=use))
         yield "data: [DONE]\n\n"
-        engine_s = pre.engine_s + (last.engine_s if last else 0.0)
-        self._record(prep, time.monotonic() - prep.t0 - engine_s)
+        self._record(prep, pre, last)
 
-    def _record(self, prep: Prepared, overhead_s: float) -> None:
-        """One finished request's overhead and phase times (see ``phases``)."""
-        self.overhead_s.append(max(0.0, overhead_s))
+    def _record(
+        self, prep: Prepared, pre: EngineChunk, last: EngineChunk | None
+    ) -> tuple[float, float]:
+        """Record one finished request's overhead (its wall time minus both engines' time)
+        and phase times (see ``phases``); returns ``(wall seconds, engine seconds)``."""
+        now = time.monotonic()
+        total_s = now - prep.t0
+        engine_s = pre.engine_s + (last.engine_s if last else 0.0)
+        self.overhead_s.append(max(0.0, total_s - engine_s))
         for k, v in prep.timing.items():
-            if not k.startswith("_"):
-                self.phases[k].append(max(0.0, v))
-        last = prep.timing.get("_last_chunk_at")
-        if last is not None:
-            self.phases["respond"].append(time.monotonic() - last)
+            self.phases[k].append(max(0.0, v))
+        if prep.last_chunk_at is not None:
+            self.phases["respond"].append(now - prep.last_chunk_at)
+        return total_s, engine_s
 
 
 def _size(body: CompletionRequest | ChatCompletionRequest) -> int:
