@@ -368,15 +368,13 @@ class AppConfig(_Strict):
         p, d = self.prefill, self.decode
         _no_overlap(
             "nixl_side_channel_port",
-            p.nixl_side_channel_port
-            and range(p.nixl_side_channel_port, p.nixl_side_channel_port + p.num_replicas),
-            d.nixl_side_channel_port
-            and range(d.nixl_side_channel_port, d.nixl_side_channel_port + d.num_replicas),
+            _span(p.nixl_side_channel_port, 1, p.num_replicas),
+            _span(d.nixl_side_channel_port, 1, d.num_replicas),
         )
-        _no_overlap(
+        _no_overlap(  # a publisher and a replay port per replica
             "kv_events.port",
-            p.kv_events.port and range(p.kv_events.port, p.kv_events.port + 2 * p.num_replicas),
-            d.kv_events.port and range(d.kv_events.port, d.kv_events.port + 2 * d.num_replicas),
+            _span(p.kv_events.port, 2, p.num_replicas),
+            _span(d.kv_events.port, 2, d.num_replicas),
         )
         for role, e in (("prefill", p), ("decode", d)):
             if e.max_num_batched_tokens < self.hashing.block_size:
@@ -391,8 +389,13 @@ class AppConfig(_Strict):
         return self.prefill if role == "prefill" else self.decode
 
 
-def _no_overlap(name: str, a: range | None | int, b: range | None | int) -> None:
-    if isinstance(a, range) and isinstance(b, range) and set(a) & set(b):
+def _span(base: int | None, per_replica: int, replicas: int) -> range | None:
+    """The ports ``replicas`` replicas take from a configured ``base`` (None: free ports)."""
+    return None if base is None else range(base, base + per_replica * replicas)
+
+
+def _no_overlap(name: str, a: range | None, b: range | None) -> None:
+    if a is not None and b is not None and set(a) & set(b):
         raise ValueError(
             f"prefill.{name} and decode.{name} give overlapping port ranges ({a.start}-"
             f"{a.stop - 1} and {b.start}-{b.stop - 1}): each engine replica needs its own ports"
