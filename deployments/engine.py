@@ -114,19 +114,26 @@ class InProcessEngine:
     side, a decode's blocks being pulled) it steps every ``transfer_poll_s`` instead of
     spinning. ``load`` is the scheduler's load report
     (:func:`engines.runtime.load_report` plus ``ts``, wall-clock seconds), refreshed on the
-    engine thread after every step and when it goes idle.
+    engine thread at most every ``load_every_s`` while it steps (the routers read it every
+    ``routing.stats_period_s``; a refresh walks the queues) and when it goes idle.
     """
 
     def __init__(
-        self, launch: EngineLaunch, stat_loggers: list[Any], transfer_poll_s: float = 0.002
+        self,
+        launch: EngineLaunch,
+        stat_loggers: list[Any],
+        transfer_poll_s: float = 0.002,
+        load_every_s: float = 0.05,
     ) -> None:
         from vllm.v1.request import RequestStatus
 
         self._remote_kvs = RequestStatus.WAITING_FOR_REMOTE_KVS
         self.transfer_poll_s = transfer_poll_s
+        self.load_every_s = load_every_s
         self.engine = start_engine(launch, stat_loggers)
         self.scheduler = self.engine.engine_core.engine_core.scheduler
-        self.load: dict[str, Any] = {**load_report(self.scheduler), "ts": time.time()}
+        self.load: dict[str, Any] = {}
+        self._report()
         self._inbox: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = False
@@ -151,7 +158,8 @@ class InProcessEngine:
                             if out.finished:
                                 self._sinks.pop(out.request_id, None)
                     # the routers' view, taken between steps on this thread (one reference swap)
-                    self.load = {**load_report(self.scheduler), "ts": time.time()}
+                    if time.time() - self.load["ts"] >= self.load_every_s:
+                        self._report()
                     if not self._computing():
                         # Only KV transfers in flight (blocks held for a remote decode, or a
                         # load being pulled): poll them, do not spin. A spinning step loop
@@ -160,7 +168,7 @@ class InProcessEngine:
                         self._wake.wait(self.transfer_poll_s)
                         self._wake.clear()
                 else:
-                    self.load = {**load_report(self.scheduler), "ts": time.time()}
+                    self._report()
                     self._wake.wait(0.5)
                     self._wake.clear()
         except BaseException as e:  # the engine is dead: fail every waiter
@@ -168,6 +176,9 @@ class InProcessEngine:
             for sink in list(self._sinks.values()):
                 sink(e)
             self._sinks.clear()
+
+    def _report(self) -> None:
+        self.load = {**load_report(self.scheduler), "ts": time.time()}
 
     def _computing(self) -> bool:
         """Whether the next step has model work: a running request, or a waiting one that is
