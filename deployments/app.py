@@ -21,7 +21,13 @@ from ray.serve.config import RequestRouterConfig
 from deployments.config import AppConfig, Role, load_app_config
 from deployments.engine import EngineReplica
 from deployments.ingress import IngressCore, api
-from deployments.openai_api import ChatCompletionRequest, CompletionRequest
+from deployments.openai_api import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
 
 
 @serve.deployment(name="ingress")
@@ -40,6 +46,16 @@ class Ingress:
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request, body: ChatCompletionRequest) -> Any:
         return await self.core.complete(request, body)
+
+    @api.post("/tokenize")
+    async def tokenize(
+        self, request: Request, body: TokenizeCompletionRequest | TokenizeChatRequest
+    ) -> Any:
+        return await self.core.tokenize(request, body)
+
+    @api.post("/detokenize")
+    async def detokenize(self, request: Request, body: DetokenizeRequest) -> Any:
+        return await self.core.detokenize(request, body)
 
     @api.get("/v1/models")
     async def models(self) -> Any:

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import os
 import queue
 import socket
@@ -33,7 +34,14 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from deployments.config import AppConfig, ReplicaPorts, Role, engine_launch, replica_ports
-from deployments.protocol import PREFILL_KV_PARAMS, EngineChunk, EngineRequest, Sampling
+from deployments.protocol import (
+    PREFILL_KV_PARAMS,
+    EngineChunk,
+    EngineRefused,
+    EngineRequest,
+    Sampling,
+    TokenLogprob,
+)
 from engines.launch import EngineLaunch, start_engine
 from engines.runtime import load_report
 
@@ -212,7 +220,7 @@ class InProcessEngine:
                 internal = self.engine.add_request(request_id, prompt, params)
             except Exception as e:  # bad request: report to the caller, keep the engine
                 self._sinks.pop(request_id, None)
-                sink(e)
+                sink(_refusal(e))
                 return
             if internal != request_id:
                 self._sinks[internal] = sink
@@ -243,6 +251,16 @@ class InProcessEngine:
     def shutdown(self) -> None:
         self._stop = True
         self._wake.set()
+
+
+def _refusal(e: Exception) -> Exception:
+    """vLLM's refusal of a request at ``add_request`` (its parameters, its prompt) as
+    :class:`EngineRefused`; anything else as it is."""
+    from vllm.exceptions import VLLMClientError
+
+    if isinstance(e, (ValueError, TypeError, VLLMClientError)):
+        return EngineRefused(str(e).strip()[:500], getattr(e, "parameter", None))
+    return e
 
 
 def _free_port(taken: set[int]) -> int:
@@ -276,6 +294,34 @@ def _node_ip() -> str:
         return str(ray.util.get_node_ip_address())
     except Exception:  # no Ray: a single machine
         return "127.0.0.1"
+
+
+def _position(token_id: int, cands: Any) -> TokenLogprob:
+    """One position of vLLM's logprobs (``{token_id: Logprob}``, the token first) as plain data."""
+    items = tuple((int(t), lp.decoded_token, float(lp.logprob), lp.rank) for t, lp in cands.items())
+    own = cands.get(token_id) if hasattr(cands, "get") else None
+    if own is None:
+        own = next((lp for t, lp in cands.items() if t == token_id), None)
+    return TokenLogprob(
+        token_id=int(token_id),
+        token=None if own is None else own.decoded_token,
+        logprob=None if own is None else float(own.logprob),
+        top=items,
+    )
+
+
+def _logprobs(token_ids: tuple[int, ...], lps: Any) -> tuple[TokenLogprob, ...]:
+    """A chunk's sample logprobs, one per generated token."""
+    return tuple(_position(t, lps[i]) for i, t in enumerate(token_ids))
+
+
+def _prompt_logprobs(prompt: tuple[int, ...], lps: Any) -> tuple[TokenLogprob | None, ...]:
+    """A prompt's logprobs; the first token has none (vLLM's ``None``)."""
+    out: list[TokenLogprob | None] = []
+    for i, t in enumerate(prompt):
+        cands = lps[i] if i < len(lps) else None
+        out.append(TokenLogprob(int(t), None, None) if cands is None else _position(t, cands))
+    return tuple(out)
 
 
 class EngineReplica:
@@ -342,7 +388,7 @@ class EngineReplica:
             self._seq += 1
             req = EngineRequest(f"hash-probe-{self._seq}", tuple(ids), Sampling(max_tokens=1))
             req = replace(req, cache_salt=salt)
-            async for _ in self._generate(req, req.sampling, None, delta=False):
+            async for _ in self._generate(req, req.sampling.to_vllm_kwargs(), None, delta=False):
                 pass
 
         vocab = int(self.engine.engine.model_config.get_vocab_size())
@@ -382,8 +428,22 @@ class EngineReplica:
     # -- calls ---------------------------------------------------------------------------
     async def prefill(self, req: EngineRequest) -> EngineChunk:
         """Run ``req``'s prompt with one output token as NIXL producer; return the last chunk
-        (its ``kv_transfer_params`` address the KV blocks held for the decode replica)."""
-        one = replace(req.sampling, max_tokens=1, stop=(), ignore_eos=True)
+        (its ``kv_transfer_params`` address the KV blocks held for the decode replica, its
+        ``prompt_logprobs`` the prompt's when the request asked).
+
+        The request's whole sampling is checked first against this engine's limits (vLLM's
+        own ``SamplingParams.verify``), so parameters the decode engine would refuse are
+        refused here, as :class:`~deployments.protocol.EngineRefused`, before any work."""
+        full = req.sampling.to_vllm_kwargs()
+        self._verify(full)
+        one = {
+            "max_tokens": 1,
+            "ignore_eos": True,
+            "temperature": 0.0,
+            "prompt_logprobs": full.get("prompt_logprobs"),
+            "skip_special_tokens": full.get("skip_special_tokens", True),
+            "spaces_between_special_tokens": full.get("spaces_between_special_tokens", True),
+        }
         last: EngineChunk | None = None
         async for chunk in self._generate(req, one, PREFILL_KV_PARAMS, delta=False):
             last = chunk
@@ -395,42 +455,130 @@ class EngineReplica:
 
     async def decode(self, req: EngineRequest) -> AsyncIterator[EngineChunk]:
         """Stream ``req``'s output deltas, pulling the prompt's KV with
-        ``req.kv_transfer_params`` (or computing it locally when that is ``None``)."""
+        ``req.kv_transfer_params`` (or computing it locally when that is ``None``).
+
+        ``n > 1``: sequence 0 pulls the prompt's KV; sequences ``1..n-1`` start once it has
+        produced its first token, when the pulled blocks are in this engine's prefix cache, so
+        they reuse them instead of another transfer or prefill (their last partial block is
+        recomputed). Sequence ``i`` samples with ``seed + i`` (vLLM's parallel sampling).
+        Chunks carry their sequence's ``index``."""
         self.requests += 1
         self.prompt_tokens += len(req.prompt_token_ids)
-        async for chunk in self._generate(req, req.sampling, req.kv_transfer_params, delta=True):
+        full = req.sampling.to_vllm_kwargs()
+        n = int(full.pop("n", 1) or 1)
+        full["prompt_logprobs"] = None
+        full["prompt_logprob_token_ids"] = None
+
+        def child(i: int) -> dict[str, Any]:
+            kw = dict(full)
+            if kw.get("seed") is not None:
+                kw["seed"] = int(kw["seed"]) + i
+            if kw.get("structured_outputs") is not None:
+                kw["structured_outputs"] = copy.deepcopy(kw["structured_outputs"])
+            return kw
+
+        if n == 1:
+            async for chunk in self._generate(req, child(0), req.kv_transfer_params, delta=True):
+                yield chunk
+            return
+        async for chunk in self._decode_n(req, n, child):
             yield chunk
+
+    async def _decode_n(
+        self, req: EngineRequest, n: int, child: Callable[[int], dict[str, Any]]
+    ) -> AsyncIterator[EngineChunk]:
+        q: asyncio.Queue[Any] = asyncio.Queue()
+        done = object()
+
+        async def run(i: int) -> None:
+            kv = req.kv_transfer_params if i == 0 else None
+            try:
+                async for ch in self._generate(req, child(i), kv, delta=True, seq=i):
+                    q.put_nowait(replace(ch, index=i))
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer
+                q.put_nowait(e)
+            finally:
+                q.put_nowait(done)
+
+        tasks = [asyncio.create_task(run(0))]
+        live = 1
+        try:
+            while live:
+                item = await q.get()
+                if item is done:
+                    live -= 1
+                    continue
+                if isinstance(item, BaseException):
+                    raise item
+                if len(tasks) < n:  # sequence 0 has its first token: its KV is local now
+                    tasks += [asyncio.create_task(run(i)) for i in range(1, n)]
+                    live += n - 1
+                yield item
+        finally:
+            for t in tasks:
+                t.cancel()
 
     async def generate(self, req: EngineRequest) -> AsyncIterator[EngineChunk]:
         """Stream ``req`` without any KV transfer (a single-engine run, for comparisons)."""
-        async for chunk in self._generate(req, req.sampling, None, delta=True):
+        kw = req.sampling.to_vllm_kwargs()
+        async for chunk in self._generate(req, kw, None, delta=True):
             yield chunk
+
+    def _verify(self, kwargs: dict[str, Any]) -> None:
+        """Raise :class:`EngineRefused` when vLLM would refuse these sampling parameters."""
+        from vllm import SamplingParams
+        from vllm.exceptions import VLLMClientError
+
+        ip = self.engine.engine.input_processor
+        try:
+            sp = SamplingParams(
+                **{**kwargs, "structured_outputs": copy.deepcopy(kwargs.get("structured_outputs"))}
+            )
+            sp.verify(
+                ip.model_config,
+                ip.speculative_config,
+                ip.structured_outputs_config,
+                ip.tokenizer,
+            )
+        except (ValueError, TypeError, VLLMClientError) as e:
+            raise EngineRefused(str(e).strip()[:500], getattr(e, "parameter", None)) from None
 
     async def _generate(
         self,
         req: EngineRequest,
-        sampling: Sampling,
+        kwargs: dict[str, Any],
         kv_params: dict[str, Any] | None,
         *,
         delta: bool,
+        seq: int = 0,
     ) -> AsyncIterator[EngineChunk]:
         from vllm import SamplingParams
+        from vllm.exceptions import VLLMClientError
         from vllm.sampling_params import RequestOutputKind
 
         t0 = time.monotonic()
-        sp = SamplingParams(
-            **sampling.to_vllm_kwargs(),
-            output_kind=RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY,
-            extra_args={"kv_transfer_params": dict(kv_params)} if kv_params else None,
-        )
+        kwargs = dict(kwargs)
+        extra = dict(kwargs.pop("extra_args", None) or {})
+        if kv_params:
+            extra["kv_transfer_params"] = dict(kv_params)
+        try:
+            sp = SamplingParams(
+                **kwargs,
+                output_kind=RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY,
+                extra_args=extra or None,
+            )
+        except (ValueError, TypeError, VLLMClientError) as e:
+            raise EngineRefused(str(e).strip()[:500], getattr(e, "parameter", None)) from None
         prompt: dict[str, Any] = {"prompt_token_ids": list(req.prompt_token_ids)}
         if req.cache_salt:
             prompt["cache_salt"] = req.cache_salt
-        async for out in self.engine.generate(prompt, sp, f"{self.role}-{req.request_id}"):
+        rid = f"{self.role}-{req.request_id}" + (f"-{seq}" if seq else "")
+        async for out in self.engine.generate(prompt, sp, rid):
             c = out.outputs[0]
+            ids = tuple(c.token_ids)
             yield EngineChunk(
                 text=c.text,
-                token_ids=tuple(c.token_ids),
+                token_ids=ids,
                 finish_reason=c.finish_reason,
                 stop_reason=c.stop_reason,
                 num_prompt_tokens=len(out.prompt_token_ids or req.prompt_token_ids),
@@ -438,6 +586,10 @@ class EngineReplica:
                 engine_s=time.monotonic() - t0,
                 kv_transfer_params=out.kv_transfer_params,
                 replica_id=self.replica_id,
+                logprobs=None if c.logprobs is None else _logprobs(ids, c.logprobs),
+                prompt_logprobs=None
+                if out.prompt_logprobs is None
+                else _prompt_logprobs(req.prompt_token_ids, out.prompt_logprobs),
             )
 
     # -- health and reports --------------------------------------------------------------
@@ -451,7 +603,7 @@ class EngineReplica:
             prompt_token_ids=(1, 2, 3, 4),
             sampling=Sampling(max_tokens=1, temperature=0.0),
         )
-        async for _ in self._generate(probe, probe.sampling, None, delta=False):
+        async for _ in self._generate(probe, probe.sampling.to_vllm_kwargs(), None, delta=False):
             pass
         self._ready = True
         return True

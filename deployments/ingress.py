@@ -32,27 +32,47 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from vllm.exceptions import VLLMClientError
 
 from deployments.config import AppConfig
 from deployments.openai_api import (
     FINISH_REASONS,
     ChatCompletionRequest,
+    ChoiceOut,
     CompletionRequest,
+    DetokenizeRequest,
+    LogprobFormat,
     RequestError,
+    Resolved,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    chat_logprobs,
     completion_body,
+    completion_logprobs,
     include_usage,
     new_id,
+    prompt_logprobs_json,
+    refuse_unsupported,
     sampling_of,
+    single_prompt,
     stream_chunk,
     usage,
 )
 from deployments.prefix import IndexView
-from deployments.protocol import EngineChunk, EngineRequest, RouteHint, Sampling
+from deployments.protocol import (
+    EngineChunk,
+    EngineRefused,
+    EngineRequest,
+    RouteHint,
+    Sampling,
+    TokenLogprob,
+)
 from deployments.router_registry import directory, router_stats
 
 log = logging.getLogger(__name__)
@@ -76,6 +96,14 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
     return _error(RequestError(msg, param))
 
 
+@api.exception_handler(VLLMClientError)
+async def _vllm_client_error(_: Request, exc: VLLMClientError) -> JSONResponse:
+    """vLLM's request models raise their own error from some validators (pydantic passes it
+    through): a 400 naming the parameter, as vLLM's server answers it."""
+    param = getattr(exc, "parameter", None)
+    return _error(RequestError(str(exc).strip()[:500] or "invalid request", param))
+
+
 def _cancel(call: Any) -> None:
     """Cancel a Serve call left behind by a time-out (Serve does not on an abandoned await)."""
     cancel = getattr(call, "cancel", None)
@@ -89,44 +117,116 @@ def _reason(e: BaseException) -> str:
     return str(cause).strip().splitlines()[-1][:300] if str(cause).strip() else type(cause).__name__
 
 
+def _cause(e: BaseException) -> BaseException:
+    """The replica's own exception inside Ray's wrapper."""
+    return getattr(e, "cause", None) or e
+
+
+def _text_of(content: Any, where: str) -> str:
+    """A message's content as text: a string, or text parts joined by newlines (vLLM's
+    "string" content format); any other part is refused (text-only models)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    parts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("text", "input_text", "output_text", "refusal"):
+            raise RequestError(
+                f"{where}: content part of type {kind!r} is not supported (text only)", where
+            )
+        parts.append(str(part.get("text") or part.get("refusal") or ""))
+    return "\n".join(parts)
+
+
 class Tokenizer:
-    """The model's tokenizer, loaded once per ingress replica (the ingress tokenizes once)."""
+    """The model's tokenizer and chat template, loaded once per ingress replica (the ingress
+    tokenizes once; the engines get token ids)."""
 
     def __init__(self, path: str) -> None:
         from transformers import AutoTokenizer
 
         self.tok = AutoTokenizer.from_pretrained(path)
+        self.vocab = len(self.tok)
 
-    def completion_ids(self, prompt: str | list[str] | list[int]) -> list[int]:
-        if isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
-            ids = [int(p) for p in prompt]
-            vocab = len(self.tok)
-            bad = next((t for t in ids if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise RequestError(
-                    f"prompt: token id {bad} is outside the vocabulary [0, {vocab})", "prompt"
-                )
-            return ids
-        if isinstance(prompt, list):
-            if len(prompt) != 1:
-                raise RequestError(
-                    "prompt: one prompt per request on the prefill/decode path", "prompt"
-                )
-            prompt = str(prompt[0])
-        return list(self.tok(str(prompt))["input_ids"])
+    def check_ids(self, ids: list[int], where: str) -> list[int]:
+        bad = next((t for t in ids if not 0 <= t < self.vocab), None)
+        if bad is not None:
+            raise RequestError(
+                f"{where}: token id {bad} is outside the vocabulary [0, {self.vocab})", where
+            )
+        return ids
 
-    def chat_ids(self, req: ChatCompletionRequest) -> list[int]:
-        msgs = [{"role": m.role, "content": m.text()} for m in req.messages]
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return list(self.tok(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def decode(self, ids: list[int] | tuple[int, ...], skip_special: bool = False) -> str:
+        return str(self.tok.decode(list(ids), skip_special_tokens=skip_special))
+
+    def token_text(self, token_id: int) -> str:
+        return self.decode([token_id])
+
+    def completion_prompt(self, prompt: Any, add_special_tokens: bool) -> tuple[list[int], str]:
+        """``(token ids, prompt text)`` of one completion prompt (text or token ids)."""
+        p = single_prompt(prompt)
+        if isinstance(p, list):
+            return self.check_ids(p, "prompt"), self.decode(p)
+        return self.encode(p, add_special_tokens), p
+
+    def render(self, req: Any) -> str:
+        """The conversation through the model's chat template, as vLLM renders it: tools and
+        documents go to the template, ``chat_template_kwargs`` too; content parts are text."""
+        msgs = []
+        for i, m in enumerate(req.messages):
+            d = dict(m)
+            d["content"] = _text_of(d.get("content"), f"messages.{i}.content")
+            msgs.append(d)
+        kwargs: dict[str, Any] = dict(getattr(req, "chat_template_kwargs", None) or {})
+        effort = getattr(req, "reasoning_effort", None)
+        if effort is not None:
+            kwargs.setdefault("reasoning_effort", effort)
+        tools = getattr(req, "tools", None)
+        if tools:
+            kwargs["tools"] = [t.model_dump(mode="json", exclude_none=True) for t in tools]
+        documents = getattr(req, "documents", None)
+        if documents:
+            kwargs["documents"] = documents
         try:
-            text = self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-        except Exception as e:  # the template refuses the conversation (roles, ...)
+            return str(
+                self.tok.apply_chat_template(
+                    msgs,
+                    tokenize=False,
+                    add_generation_prompt=req.add_generation_prompt,
+                    continue_final_message=req.continue_final_message,
+                    **kwargs,
+                )
+            )
+        except Exception as e:  # the template refuses the conversation (roles, kwargs, ...)
             raise RequestError(f"messages: the chat template refused them: {e}", "messages") from e
-        return list(self.tok(text, add_special_tokens=False)["input_ids"])
+
+    def chat_prompt(self, req: Any) -> tuple[list[int], str]:
+        """``(token ids, rendered text)`` of a chat request."""
+        text = self.render(req)
+        return self.encode(text, req.add_special_tokens), text
+
+
+def model_defaults(path: str) -> dict[str, Any]:
+    """The model's default sampling values (vLLM's ``default_sampling_params``: the keys of
+    its ``generation_config.json`` that vLLM's server applies)."""
+    f = Path(path) / "generation_config.json"
+    if not f.is_file():
+        return {}
+    cfg = json.loads(f.read_text())
+    keys = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p")
+    out = {k: cfg[k] for k in keys if cfg.get(k) is not None}
+    if cfg.get("max_new_tokens") is not None:
+        out["max_tokens"] = cfg["max_new_tokens"]
+    return out
 
 
 @dataclass
 class Prepared:
-    """A request after the ``prepare`` phase: who sent it, its tokens, sampling and hashes."""
+    """A request after the ``prepare`` phase: who sent it, its tokens, sampling and hashes,
+    and how its response is to be shaped."""
 
     rid: str
     chat: bool
@@ -137,14 +237,24 @@ class Prepared:
     stream: bool
     with_usage: bool
     t0: float
+    #: the engines' cache namespace: the tenant, plus the request's own ``cache_salt``
+    salt: str = ANONYMOUS
+    #: the engines' request id (unique even when a client reuses ``request_id``)
+    engine_rid: str = ""
+    #: log-probabilities asked for, and in which form
+    fmt: LogprobFormat | None = None
+    #: text the response starts with (``echo``): the prompt, or chat's last assistant message
+    echo: str | None = None
+    #: completions ``echo`` with ``max_tokens`` 0: the prompt back, no decode
+    echo_only: bool = False
+    #: ``return_token_ids``: token ids in each choice (and the prompt's)
+    token_ids: bool = False
+    #: top-level response fields vLLM adds on request (``prompt_text``, ...)
+    extra: dict[str, Any] = field(default_factory=dict)
     #: wall seconds per phase (filled as the request goes; see ``IngressCore.phases``)
     timing: dict[str, float] = field(default_factory=dict)
     #: when the decode's last chunk arrived (monotonic; the ``respond`` phase starts there)
     last_chunk_at: float | None = None
-
-    @property
-    def salt(self) -> str:
-        return self.tenant  # one cache namespace per tenant
 
 
 #: Statistics of the directory reports shown per replica in ``/v1/pdserve/stats``.
@@ -193,6 +303,7 @@ class IngressCore:
         self.decode = decode.options()
         self.decode_stream = decode.options(stream=True)
         self.tokenizer = Tokenizer(str(self.cfg.model.resolved_path()))
+        self.defaults = model_defaults(str(self.cfg.model.resolved_path()))
         self.model_name = self.cfg.model.served_name
         self.index = IndexView(self.cfg, app_name)
         self.directories = {
@@ -347,7 +458,10 @@ class IngressCore:
     async def complete(
         self, request: Request, body: CompletionRequest | ChatCompletionRequest
     ) -> Any:
-        """``prepare -> route -> prefill -> decode -> respond``; errors are 4xx/5xx bodies."""
+        """``prepare -> route -> prefill -> decode -> respond``; errors are 4xx/5xx bodies.
+
+        A stream's response starts once the decode's first chunk is in, so a refusal or a
+        failure before any token is an HTTP status, not an error event inside a 200."""
         self._ensure_started()
         try:
             prep = await self.prepare(request, body)
@@ -360,12 +474,60 @@ class IngressCore:
             pre = await self.run_prefill(prep, hint)
         except RequestError as e:
             return _error(e)
-        chunks = self.decode_chunks(prep, pre)
+        chunks = _nothing() if prep.echo_only else self.decode_chunks(prep, pre)
         if prep.stream:
+            try:
+                first = await anext(chunks, None)
+            except RequestError as e:
+                return _error(e)
             return StreamingResponse(
-                self.respond_sse(prep, pre, chunks), media_type="text/event-stream"
+                self.respond_sse(prep, pre, _prepend(first, chunks)),
+                media_type="text/event-stream",
             )
         return await self.respond_json(prep, pre, chunks)
+
+    async def tokenize(
+        self, request: Request, body: TokenizeCompletionRequest | TokenizeChatRequest
+    ) -> Any:
+        """vLLM's ``/tokenize``: the prompt's (or the rendered conversation's) token ids."""
+        try:
+            self.tenant(request)
+            self._check_model(body.model)
+            if isinstance(body, TokenizeChatRequest):
+                for name in ("chat_template", "media_io_kwargs", "mm_processor_kwargs"):
+                    if getattr(body, name) is not None:
+                        raise RequestError(f"{name} is not supported", name)
+                ids = self.tokenizer.encode(self.tokenizer.render(body), body.add_special_tokens)
+            else:
+                ids = self.tokenizer.encode(body.prompt, body.add_special_tokens)
+        except RequestError as e:
+            return _error(e)
+        out: dict[str, Any] = {
+            "count": len(ids),
+            "max_model_len": self.cfg.model.max_model_len,
+            "tokens": ids,
+        }
+        if body.return_token_strs:
+            out["token_strs"] = self.tokenizer.tok.convert_ids_to_tokens(ids)
+        return out
+
+    async def detokenize(self, request: Request, body: DetokenizeRequest) -> Any:
+        """vLLM's ``/detokenize``: the text of token ids (ids outside the vocabulary: 400)."""
+        try:
+            self.tenant(request)
+            self._check_model(body.model)
+            ids = self.tokenizer.check_ids(list(body.tokens), "tokens")
+        except RequestError as e:
+            return _error(e)
+        return {"prompt": self.tokenizer.decode(ids)}
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise RequestError(
+                f"model {model!r} is not served here; /v1/models lists {self.model_name!r}",
+                "model",
+                status=404,
+            )
 
     # -- phases --------------------------------------------------------------------------
     async def prepare(
@@ -375,44 +537,58 @@ class IngressCore:
         t0 = time.monotonic()
         chat = isinstance(body, ChatCompletionRequest)
         tenant = self.tenant(request)
-        if body.model != self.model_name:
-            raise RequestError(
-                f"model {body.model!r} is not served here; /v1/models lists {self.model_name!r}",
-                "model",
-                status=404,
-            )
+        self._check_model(body.model)
+        refuse_unsupported(body)  # before tokenizing (a batch of prompts, say)
+        salt = tenant if not body.cache_salt else f"{tenant}:{body.cache_salt}"
+        max_len = self.cfg.model.max_model_len
 
-        def work() -> tuple[list[int], Sampling, dict[str, list[int]]]:
-            ids = (
-                self.tokenizer.chat_ids(body)  # type: ignore[arg-type]
-                if chat
-                else self.tokenizer.completion_ids(body.prompt)  # type: ignore[union-attr]
-            )
+        def work() -> tuple[list[int], str, Resolved, dict[str, list[int]]]:
+            if chat:
+                ids, text = self.tokenizer.chat_prompt(body)
+            else:
+                assert isinstance(body, CompletionRequest)
+                ids, text = self.tokenizer.completion_prompt(body.prompt, body.add_special_tokens)
+            if body.truncate_prompt_tokens is not None:
+                keep = max_len if body.truncate_prompt_tokens == -1 else body.truncate_prompt_tokens
+                if len(ids) > keep:
+                    ids = ids[:keep] if body.truncation_side == "right" else ids[len(ids) - keep :]
             if not ids:
                 raise RequestError("the prompt is empty", "messages" if chat else "prompt")
-            sampling = sampling_of(
+            resolved = sampling_of(
                 body,
                 prompt_tokens=len(ids),
-                max_model_len=self.cfg.model.max_model_len,
+                max_model_len=max_len,
                 default_max_tokens=self.cfg.ingress.max_tokens_default,
+                defaults=self.defaults,
             )
-            return ids, sampling, self.index.hashes(ids, tenant)
+            return ids, text, resolved, self.index.hashes(ids, salt)
 
         if _size(body) > self.cfg.ingress.tokenize_off_loop_chars:
-            ids, sampling, hashes = await asyncio.to_thread(work)
+            ids, text, resolved, hashes = await asyncio.to_thread(work)
         else:
-            ids, sampling, hashes = work()
+            ids, text, resolved, hashes = work()
+        rid = new_id("chatcmpl" if chat else "cmpl", body.request_id)
         prep = Prepared(
-            rid=new_id("chatcmpl" if chat else "cmpl"),
+            rid=rid,
             chat=chat,
             tenant=tenant,
             ids=tuple(ids),
-            sampling=sampling,
+            sampling=resolved.sampling,
             hashes=hashes,
-            stream=body.stream,
+            stream=bool(body.stream),
             with_usage=include_usage(body),
             t0=t0,
+            salt=salt,
+            engine_rid=new_id(rid),
+            fmt=LogprobFormat.of(body),
+            echo=_echo(body, text),
+            echo_only=resolved.echo_only,
+            token_ids=bool(body.return_token_ids),
         )
+        if chat and body.return_prompt_text:  # type: ignore[union-attr]
+            prep.extra["prompt_text"] = text
+        if body.return_token_ids:
+            prep.extra["prompt_token_ids"] = list(ids)
         prep.timing["prepare"] = time.monotonic() - t0
         return prep
 
@@ -432,7 +608,9 @@ class IngressCore:
 
     async def run_prefill(self, prep: Prepared, hint: RouteHint) -> EngineChunk:
         """One output token on the routed prefill replica; 502/504 as :class:`RequestError`."""
-        req = EngineRequest(prep.rid, prep.ids, prep.sampling, cache_salt=prep.salt, route=hint)
+        req = EngineRequest(
+            prep.engine_rid, prep.ids, prep.sampling, cache_salt=prep.salt, route=hint
+        )
         t = time.monotonic()
         call = self.prefill.prefill.remote(req)
         try:
@@ -442,16 +620,15 @@ class IngressCore:
         except TimeoutError:
             _cancel(call)  # or the prefill runs on and holds KV blocks nobody will read
             raise RequestError("prefill timed out", None, status=504) from None
-        except Exception as e:  # the engine refused or failed: a gateway error, not a 500
-            log.warning("prefill failed for %s: %s", prep.rid, e)
-            raise RequestError(f"prefill failed: {_reason(e)}", None, status=502) from None
+        except Exception as e:  # the engine refused (400) or failed: a gateway error, not a 500
+            raise _engine_error("prefill", prep, e) from None
 
     async def decode_chunks(self, prep: Prepared, pre: EngineChunk) -> AsyncIterator[EngineChunk]:
         """The decode replica's chunks, for both response forms. Engine failures and the
         deadline (``engine_timeout_s`` from the first chunk request) raise
         :class:`RequestError` (502/504); the stream is cancelled on the way out."""
         dreq = EngineRequest(
-            prep.rid,
+            prep.engine_rid,
             prep.ids,
             prep.sampling,
             cache_salt=prep.salt,
@@ -474,8 +651,7 @@ class IngressCore:
                 except TimeoutError:
                     raise RequestError("decode timed out", None, status=504) from None
                 except Exception as e:
-                    log.warning("decode failed for %s: %s", prep.rid, e)
-                    raise RequestError(f"decode failed: {_reason(e)}", None, status=502) from None
+                    raise _engine_error("decode", prep, e) from None
                 prep.last_chunk_at = time.monotonic()
                 waited = prep.last_chunk_at - t - ch.engine_s
                 prep.timing.setdefault("decode_first", waited)
@@ -487,30 +663,93 @@ class IngressCore:
             if not done:
                 _cancel(stream)
 
+    def _prompt_entries(self, pre: EngineChunk) -> list[TokenLogprob | None]:
+        return list(pre.prompt_logprobs or ())
+
+    def _delta(
+        self, prep: Prepared, pre: EngineChunk, ch: EngineChunk, state: dict[int, Any]
+    ) -> ChoiceOut:
+        """The choice delta of one decode chunk (the echo before a choice's first one);
+        ``state`` keeps each choice's text offset for completion logprobs."""
+        first = ch.index not in state
+        text = ch.text
+        entries: list[TokenLogprob | None] = list(ch.logprobs or ())
+        if first and prep.echo is not None:
+            text = prep.echo + text
+            if not prep.chat and prep.fmt is not None:
+                entries = self._prompt_entries(pre) + entries
+        delta = ChoiceOut(
+            index=ch.index,
+            text=text,
+            finish_reason=ch.finish_reason,
+            stop_reason=ch.stop_reason,
+            token_ids=list(ch.token_ids),
+        )
+        if prep.fmt is not None and (ch.logprobs is not None or entries):
+            decode = self.tokenizer.token_text
+            if prep.chat:
+                delta.logprobs = chat_logprobs(
+                    [e for e in entries if e is not None], prep.fmt, decode
+                )
+            else:
+                lp = completion_logprobs(entries, prep.fmt, decode, state.get(ch.index, 0))
+                delta.logprobs = lp
+                state[ch.index] = (lp.text_offset or [0])[-1] + len((lp.tokens or [""])[-1])
+        state.setdefault(ch.index, 0)
+        return delta
+
+    def _echo_chunk(self, prep: Prepared, pre: EngineChunk) -> EngineChunk:
+        """The response of an ``echo`` with ``max_tokens`` 0: the prompt, nothing decoded."""
+        return EngineChunk("", (), "length", len(prep.ids), pre.num_cached_tokens, 0.0)
+
     async def respond_json(
         self, prep: Prepared, pre: EngineChunk, chunks: AsyncIterator[EngineChunk]
     ) -> JSONResponse:
-        text: list[str] = []
+        choices: dict[int, ChoiceOut] = {}
+        state: dict[int, Any] = {}
         n_out = 0
-        finish: str | None = None
         last: EngineChunk | None = None
         try:
             async for ch in chunks:
-                text.append(ch.text)
                 n_out += len(ch.token_ids)
-                finish = ch.finish_reason or finish
                 last = ch
+                d = self._delta(prep, pre, ch, state)
+                c = choices.setdefault(ch.index, ChoiceOut(index=ch.index))
+                c.text += d.text
+                c.token_ids += d.token_ids
+                c.finish_reason = d.finish_reason or c.finish_reason
+                c.stop_reason = d.stop_reason if d.finish_reason else c.stop_reason
+                c.logprobs = _merge_logprobs(c.logprobs, d.logprobs)
         except RequestError as e:
             return _error(e)
+        if prep.echo_only:
+            d = self._delta(prep, pre, self._echo_chunk(prep, pre), state)
+            choices[0] = d
         total_s, engine_s = self._record(prep, pre, last)
+        extra = dict(prep.extra)
+        if pre.prompt_logprobs is not None:
+            plp = prompt_logprobs_json(pre.prompt_logprobs)
+            if prep.chat:
+                extra["prompt_logprobs"] = plp
+            else:
+                for c in choices.values():
+                    c.prompt_logprobs = plp
+        if not prep.chat and "prompt_token_ids" in extra:
+            ptids = extra.pop("prompt_token_ids")
+        else:
+            ptids = None
         out = completion_body(
             prep.rid,
             self.model_name,
-            "".join(text),
-            finish,
+            [choices[i] for i in sorted(choices)],
             usage(len(prep.ids), n_out, pre.num_cached_tokens),
             prep.chat,
+            token_ids=prep.token_ids,
+            extra=extra,
         )
+        if ptids is not None:
+            for c in out["choices"]:
+                c["prompt_token_ids"] = ptids
         out["pdserve"] = {
             "ingress_replica": self.replica_id,
             "prefill_replica": pre.replica_id,
@@ -531,24 +770,28 @@ class IngressCore:
 
         n_out = 0
         last: EngineChunk | None = None
-        first = True
+        state: dict[int, Any] = {}
         try:
+            if prep.echo_only:
+                chunks = _prepend(self._echo_chunk(prep, pre), chunks)
             async for ch in chunks:
                 n_out += len(ch.token_ids)
                 last = ch
-                if ch.text or ch.finish_reason or first:
-                    yield sse(
-                        stream_chunk(
-                            prep.rid,
-                            m,
-                            created,
-                            chat=prep.chat,
-                            text=ch.text,
-                            role=first,
-                            finish_reason=ch.finish_reason,
-                        )
+                first = ch.index not in state
+                d = self._delta(prep, pre, ch, state)
+                if d.text or d.finish_reason or first or d.logprobs:
+                    body = stream_chunk(
+                        prep.rid,
+                        m,
+                        created,
+                        chat=prep.chat,
+                        delta=d,
+                        role=first,
+                        token_ids=prep.token_ids,
                     )
-                    first = False
+                    if first and prep.extra:
+                        body.update(prep.extra)  # vLLM sends them with the first chunk
+                    yield sse(body)
         except RequestError as e:  # an error event, then usage and [DONE]: well-formed
             yield sse(e.body())
         if prep.with_usage:
@@ -576,8 +819,61 @@ class IngressCore:
 def _size(body: CompletionRequest | ChatCompletionRequest) -> int:
     """A cheap size of the prompt in characters (token ids count as a few each)."""
     if isinstance(body, ChatCompletionRequest):
-        return sum(len(m.content) if isinstance(m.content, str) else 64 for m in body.messages)
+        total = 0
+        for m in body.messages:
+            c = dict(m).get("content")
+            total += len(c) if isinstance(c, str) else 64
+        return total
     p = body.prompt
     if isinstance(p, str):
         return len(p)
-    return sum(len(x) if isinstance(x, str) else 4 for x in p)
+    return sum(len(x) if isinstance(x, (str, list)) else 4 for x in p or ())
+
+
+def _engine_error(phase: str, prep: Prepared, e: BaseException) -> RequestError:
+    """An engine's refusal of the request's parameters is a 400 naming the field; any other
+    failure a 502."""
+    cause = _cause(e)
+    if isinstance(cause, EngineRefused):
+        return RequestError(cause.message, cause.param)
+    log.warning("%s failed for %s: %s", phase, prep.rid, e)
+    return RequestError(f"{phase} failed: {_reason(e)}", None, status=502)
+
+
+def _echo(body: CompletionRequest | ChatCompletionRequest, prompt_text: str) -> str | None:
+    """What an ``echo`` response starts with: a completion's prompt; for chat, the last
+    message's content when it is the assistant's (vLLM's rule)."""
+    if not body.echo:
+        return None
+    if isinstance(body, CompletionRequest):
+        return prompt_text
+    if body.messages and dict(body.messages[-1]).get("role") == "assistant":
+        return _text_of(dict(body.messages[-1]).get("content"), "messages")
+    return None
+
+
+def _merge_logprobs(acc: Any, new: Any) -> Any:
+    """Append one chunk's logprobs to a choice's (chat: lists; completions: the object)."""
+    if new is None:
+        return acc
+    if acc is None:
+        return new
+    if isinstance(acc, list):
+        return acc + new
+    for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        setattr(acc, name, (getattr(acc, name) or []) + (getattr(new, name) or []))
+    return acc
+
+
+async def _nothing() -> AsyncIterator[EngineChunk]:
+    return
+    yield  # an empty async generator
+
+
+async def _prepend(
+    first: EngineChunk | None, rest: AsyncIterator[EngineChunk]
+) -> AsyncIterator[EngineChunk]:
+    if first is not None:
+        yield first
+    async for ch in rest:
+        yield ch

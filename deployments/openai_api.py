@@ -1,27 +1,60 @@
 """OpenAI request schemas the PD path accepts, their validation, and response builders.
 
-Pure (pydantic and the ``openai`` package's response types), so the HTTP contract is unit-tested
-without Serve or vLLM. Requests keep
-OpenAI's field names; fields OpenAI defines but the prefill/decode path cannot honour are listed
-in :data:`UNSUPPORTED` and refused with a 400 whose message says why (for example ``n > 1``: one
-prefill hands one KV cache to one decode stream). Unknown fields are refused too, naming them.
+The request models *are* vLLM's (``vllm.entrypoints.openai``'s ``CompletionRequest`` and
+``ChatCompletionRequest`` of the installed vLLM), so pdserve accepts what vLLM's OpenAI server
+accepts, field for field, and builds the engines' ``SamplingParams`` with vLLM's own
+``to_sampling_params``. Two differences, both deliberate:
+
+- unknown fields are refused with the field named (vLLM logs and ignores them, so a typo
+  silently changes nothing); OpenAI's ``best_of`` is accepted when it equals ``n``;
+- the fields the prefill/decode path cannot honour are refused with a 400 whose message says
+  why; every such field and reason is in :data:`REFUSED`, the one place the README's table
+  and the contract test read. Fields vLLM itself ignores on generation endpoints are listed in
+  :data:`IGNORED`.
+
+Responses are built with the ``openai`` package's types, plus vLLM's extensions
+(``prompt_logprobs``, ``token_ids``, ``prompt_token_ids``, ``prompt_text``) where asked.
 """
 
 from __future__ import annotations
 
+import math
 import time
 import uuid
-from typing import Any, Literal
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 from openai.types import Completion, CompletionChoice
 from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessage
 from openai.types.chat.chat_completion import Choice as ChatChoice
+from openai.types.chat.chat_completion import ChoiceLogprobs
 from openai.types.chat.chat_completion_chunk import Choice as ChunkChoice
 from openai.types.chat.chat_completion_chunk import ChoiceDelta
+from openai.types.chat.chat_completion_chunk import ChoiceLogprobs as ChunkLogprobs
+from openai.types.chat.chat_completion_token_logprob import (
+    ChatCompletionTokenLogprob,
+    TopLogprob,
+)
+from openai.types.completion_choice import Logprobs as CompletionLogprobs
 from openai.types.completion_usage import CompletionUsage, PromptTokensDetails
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
+from vllm.entrypoints.openai.chat_completion.protocol import (
+    ChatCompletionRequest as _VllmChatRequest,
+)
+from vllm.entrypoints.openai.completion.protocol import CompletionRequest as _VllmCompletionRequest
+from vllm.entrypoints.serve.tokenize.protocol import (
+    DetokenizeRequest as _VllmDetokenizeRequest,
+)
+from vllm.entrypoints.serve.tokenize.protocol import (
+    TokenizeChatRequest as _VllmTokenizeChatRequest,
+)
+from vllm.entrypoints.serve.tokenize.protocol import (
+    TokenizeCompletionRequest as _VllmTokenizeCompletionRequest,
+)
+from vllm.exceptions import VLLMClientError
 
-from deployments.protocol import Sampling
+from deployments.protocol import Sampling, TokenLogprob
 
 
 class RequestError(ValueError):
@@ -46,185 +79,231 @@ class RequestError(ValueError):
         }
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    include_usage: bool = Field(default=False, description="Send a last chunk with usage.")
-    continuous_usage_stats: bool = Field(default=False, description="vLLM extension; ignored.")
+_FORBID = ConfigDict(extra="forbid")
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: Literal["system", "user", "assistant", "developer", "tool"] = Field(
-        description="Author of the message."
-    )
-    content: str | list[dict[str, Any]] | None = Field(description="Text, or text parts.")
-    name: str | None = Field(default=None, description="Optional author name.")
+class CompletionRequest(_VllmCompletionRequest):
+    """``POST /v1/completions``: vLLM's request model, unknown fields refused."""
 
-    def text(self) -> str:
-        """The message's text; non-text parts are refused."""
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        parts = []
-        for p in self.content:
-            if p.get("type") != "text":
-                raise RequestError(
-                    f"content part of type {p.get('type')!r} is not supported (text only)",
-                    "messages",
-                )
-            parts.append(str(p.get("text", "")))
-        return "".join(parts)
-
-
-class _Common(BaseModel):
-    """Fields shared by both endpoints (OpenAI's names)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    model: str = Field(description="Served model name.")
-    max_tokens: int | None = Field(default=None, ge=1, description="Most output tokens.")
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0, description="Sampling temperature.")
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
-    seed: int | None = Field(
-        default=None,
-        ge=-(2**63),
-        le=2**63 - 1,
-        description="Sampling seed (a 64-bit signed integer; torch rejects others mid-step).",
-    )
-    stop: str | list[str] | None = Field(default=None, description="Up to 4 stop strings.")
-    stream: bool = Field(default=False, description="Stream server-sent events.")
-    stream_options: StreamOptions | None = Field(default=None, description="Streaming options.")
-    n: int = Field(default=1, ge=1, description="Choices per prompt (the PD path serves 1).")
-    user: str | None = Field(default=None, description="End-user id (recorded, not used).")
-    ignore_eos: bool = Field(default=False, description="vLLM extension: run to max_tokens.")
-    # OpenAI fields the PD path cannot honour: accepted by the schema so the refusal is a
-    # precise 400 rather than "unknown field".
-    logprobs: Any = Field(default=None, description="Unsupported on the PD path.")
-    top_logprobs: Any = Field(default=None, description="Unsupported on the PD path.")
-    presence_penalty: float = Field(default=0.0, description="Unsupported unless 0.")
-    frequency_penalty: float = Field(default=0.0, description="Unsupported unless 0.")
-    logit_bias: dict[str, float] | None = Field(
-        default=None, description="Unsupported on the PD path."
+    model_config = _FORBID
+    best_of: int | None = Field(
+        default=None, ge=1, description="OpenAI's; accepted when it equals n (vLLM V1 has none)."
     )
 
 
-class CompletionRequest(_Common):
-    """``POST /v1/completions``."""
+class ChatCompletionRequest(_VllmChatRequest):
+    """``POST /v1/chat/completions``: vLLM's request model, unknown fields refused."""
 
-    prompt: str | list[str] | list[int] = Field(description="One prompt: text or token ids.")
-    echo: bool = Field(default=False, description="Unsupported on the PD path.")
-    best_of: int | None = Field(default=None, description="Unsupported on the PD path.")
-    suffix: str | None = Field(default=None, description="Unsupported on the PD path.")
+    model_config = _FORBID
 
 
-class ChatCompletionRequest(_Common):
-    """``POST /v1/chat/completions``."""
+class TokenizeCompletionRequest(_VllmTokenizeCompletionRequest):
+    """``POST /tokenize`` with a ``prompt`` (vLLM's route)."""
 
-    messages: list[ChatMessage] = Field(min_length=1, description="The conversation.")
-    max_completion_tokens: int | None = Field(default=None, ge=1, description="Most output tokens.")
-    tools: Any = Field(default=None, description="Unsupported on the PD path.")
-    tool_choice: Any = Field(default=None, description="Unsupported on the PD path.")
-    response_format: Any = Field(default=None, description="Unsupported on the PD path.")
-    parallel_tool_calls: Any = Field(default=None, description="Unsupported on the PD path.")
+    model_config = _FORBID
 
 
-#: field -> (is it set to something we cannot honour?, why).
-UNSUPPORTED: dict[str, tuple[Any, str]] = {
-    "n": (
-        lambda v: v != 1,
-        "n > 1 is not supported: one prefill hands one KV cache to one decode stream",
+class TokenizeChatRequest(_VllmTokenizeChatRequest):
+    """``POST /tokenize`` with ``messages`` (vLLM's route)."""
+
+    model_config = _FORBID
+
+
+class DetokenizeRequest(_VllmDetokenizeRequest):
+    """``POST /detokenize`` (vLLM's route)."""
+
+    model_config = _FORBID
+
+
+AnyRequest = CompletionRequest | ChatCompletionRequest
+
+
+def _is_batch(prompt: Any) -> bool:
+    """More than one prompt: several strings, or several token-id lists."""
+    return isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], (str, list))
+
+
+def single_prompt(prompt: Any) -> str | list[int]:
+    """The one prompt of a request (``["text"]`` and ``[[ids]]`` are batches of one)."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt
+    return [int(t) for t in prompt]
+
+
+#: field -> (is its value one the PD path cannot honour?, why). The one list of refusals: the
+#: README's table and the contract test over vLLM's request fields read it.
+REFUSED: dict[str, tuple[Callable[[Any, Any], bool], str]] = {
+    "prompt": (
+        lambda v, r: v is None or _is_batch(v),
+        "one prompt per request on the prefill/decode path (each prompt is routed to the "
+        "prefill replica that holds its prefix): send a batch as separate requests",
+    ),
+    "use_beam_search": (
+        lambda v, r: bool(v),
+        "beam search runs many dependent sequences in vLLM's serving layer; the PD path "
+        "runs one prefill and n independent decode sequences",
     ),
     "best_of": (
-        lambda v: v not in (None, 1),
-        "best_of is not supported on the prefill/decode path",
+        lambda v, r: v is not None and v != (r.n or 1),
+        "best_of other than n is not supported (vLLM V1 has no best_of)",
     ),
-    "logprobs": (
-        lambda v: v not in (None, False, 0),
-        "logprobs are not supported on the prefill/decode path",
+    "suffix": (lambda v, r: v is not None, "suffix is not supported (nor by vLLM's server)"),
+    "prompt_embeds": (
+        lambda v, r: v is not None,
+        "prompt embeddings have no token ids to hash and route by",
     ),
-    "top_logprobs": (
-        lambda v: v not in (None, 0),
-        "top_logprobs are not supported on the prefill/decode path",
+    "kv_transfer_params": (
+        lambda v, r: v is not None,
+        "set by pdserve itself for the prefill -> decode hand-off",
     ),
-    "echo": (lambda v: bool(v), "echo is not supported on the prefill/decode path"),
-    "suffix": (lambda v: v is not None, "suffix is not supported"),
-    "presence_penalty": (
-        lambda v: v != 0.0,
-        "presence_penalty is not supported on the prefill/decode path",
+    "ec_transfer_params": (
+        lambda v, r: v is not None,
+        "encoder-cache disaggregation is not configured (text-only models)",
     ),
-    "frequency_penalty": (
-        lambda v: v != 0.0,
-        "frequency_penalty is not supported on the prefill/decode path",
+    "priority": (
+        lambda v, r: v not in (None, 0),
+        "priority scheduling is not configured: Fairway orders the prefill queue and TWP "
+        "admits the decode",
     ),
-    "logit_bias": (lambda v: bool(v), "logit_bias is not supported on the prefill/decode path"),
-    "tools": (lambda v: bool(v), "tools are not supported"),
-    "tool_choice": (lambda v: v not in (None, "none"), "tool_choice is not supported"),
-    "response_format": (
-        lambda v: v not in (None, {"type": "text"}),
-        "response_format is not supported (text only)",
+    "chat_template": (
+        lambda v, r: v is not None,
+        "a request-supplied chat template is refused (vLLM refuses it too unless started "
+        "with --trust-request-chat-template); the model's own template is used",
     ),
-    "parallel_tool_calls": (lambda v: v is not None, "parallel_tool_calls is not supported"),
+    "tool_choice": (
+        lambda v, r: v not in (None, "none"),
+        "tool calls need vLLM's tool-call parsers, which pdserve does not run: tools go into "
+        "the chat template with tool_choice 'none' and the reply is plain text",
+    ),
+    "media_io_kwargs": (lambda v, r: v is not None, "multimodal inputs are not supported"),
+    "mm_processor_kwargs": (lambda v, r: v is not None, "multimodal inputs are not supported"),
+    "routed_experts_prompt_start": (
+        lambda v, r: v not in (None, 0),
+        "routed-expert data is not returned",
+    ),
+}
+
+#: Fields accepted and, as on vLLM's own generation endpoints, without effect here.
+IGNORED: dict[str, str] = {
+    "user": "recorded by OpenAI; vLLM ignores it too",
+    "session_id": "no session affinity beyond the prefix index",
+    "return_token_offsets": "render endpoints only (vLLM ignores it on generation too)",
+    "mm_payload": "render endpoints only (vLLM ignores it on generation too)",
+    "return_mm_kwargs": "render endpoints only (vLLM ignores it on generation too)",
+    "length_penalty": "beam search only",
+    "parallel_tool_calls": "no tool calls are parsed (see tool_choice)",
+    "stream_options.continuous_usage_stats": "usage comes in the last chunk",
 }
 
 
-def refuse_unsupported(req: _Common) -> None:
+def refuse_unsupported(req: Any) -> None:
     """Raise :class:`RequestError` for the first field set to something the PD path cannot do."""
-    for name, (bad, why) in UNSUPPORTED.items():
-        if name in type(req).model_fields and bad(getattr(req, name)):
-            raise RequestError(why, name)
+    fields = type(req).model_fields
+    for name, (bad, why) in REFUSED.items():
+        if name in fields and bad(getattr(req, name), req):
+            raise RequestError(f"{name}: {why}", name)
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """What :func:`sampling_of` resolved: the engines' sampling and the response's options."""
+
+    sampling: Sampling
+    #: completions with ``echo`` and ``max_tokens`` 0: the prompt back, no decode
+    echo_only: bool = False
+
+
+#: ``vllm.SamplingParams`` fields derived in its ``__post_init__`` or set per role by the
+#: engine replicas, so not carried from the ingress.
+_DERIVED = frozenset(
+    {"output_text_buffer_length", "skip_reading_prefix_cache", "skip_clone", "output_kind"}
+)
+
+
+def _params_kwargs(sp: Any) -> dict[str, Any]:
+    """The public constructor keywords of a ``vllm.SamplingParams``."""
+    return {
+        f: getattr(sp, f)
+        for f in sp.__struct_fields__
+        if not f.startswith("_") and f not in _DERIVED
+    }
 
 
 def sampling_of(
-    req: CompletionRequest | ChatCompletionRequest,
+    req: AnyRequest,
     *,
     prompt_tokens: int,
     max_model_len: int,
     default_max_tokens: int,
-) -> Sampling:
-    """The engines' sampling parameters for ``req``, after every PD-path check.
+    defaults: dict[str, Any] | None = None,
+) -> Resolved:
+    """The engines' sampling for ``req``, after every PD-path check.
 
-    ``max_tokens`` defaults to ``min(default_max_tokens, room left)``; an explicit one that does
-    not fit ``max_model_len`` with the prompt is a 400 naming it.
+    ``max_tokens`` as vLLM resolves it: a completion's defaults to 16 (OpenAI's default); a
+    chat's (``max_completion_tokens``, else ``max_tokens``) to ``min(default_max_tokens, room
+    left)``. One that does not fit ``max_model_len`` with the prompt is a 400 naming it.
+    ``defaults`` are the server's default sampling values (vLLM's
+    ``default_sampling_params``: the model's generation config).
     """
     refuse_unsupported(req)
+    chat = isinstance(req, ChatCompletionRequest)
     room = max_model_len - prompt_tokens
+    where = "messages" if chat else "prompt"
     if room < 1:
         raise RequestError(
-            f"the prompt has {prompt_tokens} tokens; max_model_len is {max_model_len}",
-            "messages" if isinstance(req, ChatCompletionRequest) else "prompt",
+            f"{where}: the prompt has {prompt_tokens} tokens; max_model_len is {max_model_len}",
+            where,
         )
-    asked = req.max_tokens
-    field = "max_tokens"
-    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
-        asked, field = req.max_completion_tokens, "max_completion_tokens"
+    asked: int | None
+    if isinstance(req, ChatCompletionRequest):
+        if req.max_completion_tokens is not None:
+            asked, fname = req.max_completion_tokens, "max_completion_tokens"
+        else:  # deprecated in chat (read without the deprecation warning), still honoured
+            asked, fname = vars(req).get("max_tokens"), "max_tokens"
+    else:
+        asked, fname = req.max_tokens, "max_tokens"
     if asked is not None and asked > room:
         raise RequestError(
-            f"{field}={asked} plus the prompt's {prompt_tokens} tokens exceeds "
+            f"{fname}={asked} plus the prompt's {prompt_tokens} tokens exceeds "
             f"max_model_len={max_model_len}",
-            field,
+            fname,
         )
-    stop: tuple[str, ...] = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
-    if len(stop) > 4:
-        raise RequestError("stop takes at most 4 strings", "stop")
-    if any(not s for s in stop):
-        raise RequestError("stop strings must be non-empty", "stop")
-    return Sampling(
-        max_tokens=asked if asked is not None else min(default_max_tokens, room),
-        temperature=req.temperature,
-        top_p=req.top_p,
-        seed=req.seed,
-        stop=stop,
-        ignore_eos=req.ignore_eos,
+    stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if any(not s for s in stops):
+        raise RequestError("stop: stop strings must be non-empty", "stop")
+    echo_only = not chat and bool(req.echo) and asked == 0
+    max_tokens = asked if asked is not None else min(default_max_tokens, room)
+    try:
+        sp = req.to_sampling_params(max_tokens, dict(defaults or {}))
+    except (ValueError, TypeError, VLLMClientError) as e:
+        param = getattr(e, "parameter", None)
+        raise RequestError(str(e).strip().splitlines()[0][:500], param) from None
+    params = _params_kwargs(sp)
+    return Resolved(
+        Sampling(
+            max_tokens=int(sp.max_tokens or 1),
+            temperature=float(sp.temperature),
+            top_p=float(sp.top_p),
+            seed=sp.seed,
+            stop=tuple(sp.stop or ()),
+            ignore_eos=bool(sp.ignore_eos),
+            n=int(sp.n),
+            logprobs=sp.logprobs,
+            prompt_logprobs=sp.prompt_logprobs,
+            params=params,
+        ),
+        echo_only=echo_only,
     )
 
 
-def include_usage(req: _Common) -> bool:
+def include_usage(req: AnyRequest) -> bool:
     return bool(req.stream and req.stream_options and req.stream_options.include_usage)
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+def new_id(prefix: str, request_id: str | None = None) -> str:
+    return f"{prefix}-{request_id or uuid.uuid4().hex}"
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> CompletionUsage:
@@ -237,6 +316,139 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> Com
     )
 
 
+# -- log-probabilities ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LogprobFormat:
+    """How a request asked for log-probabilities: ``top`` alternatives per token (``-1``:
+    all the engine returned), tokens as ``token_id:N`` strings, explicit ``logprob_token_ids``."""
+
+    top: int
+    as_token_ids: bool = False
+    explicit_ids: bool = False
+
+    @staticmethod
+    def of(req: AnyRequest) -> LogprobFormat | None:
+        if isinstance(req, ChatCompletionRequest):
+            if not req.logprobs:
+                return None
+            top = req.top_logprobs if req.top_logprobs is not None else 0
+        else:
+            if req.logprobs is None and not req.logprob_token_ids:
+                return None
+            top = req.logprobs or 0
+        return LogprobFormat(
+            int(top), bool(req.return_tokens_as_token_ids), bool(req.logprob_token_ids)
+        )
+
+    def text(self, token_id: int, token: str | None, decode: Callable[[int], str]) -> str:
+        if self.as_token_ids:
+            return f"token_id:{token_id}"
+        return token if token is not None else decode(token_id)
+
+
+def _lp(x: float) -> float:
+    """OpenAI's finite stand-in for ``-inf``."""
+    return max(x, -9999.0) if not math.isnan(x) else -9999.0
+
+
+def completion_logprobs(
+    entries: Sequence[TokenLogprob | None],
+    fmt: LogprobFormat,
+    decode: Callable[[int], str],
+    offset: int = 0,
+) -> CompletionLogprobs:
+    """The text-completion ``logprobs`` object, as vLLM builds it: per token its text, its
+    logprob, the top ``fmt.top`` alternatives plus the token itself, and its text offset.
+    ``None`` entries (the first prompt token of an echo) get no logprob."""
+    tokens: list[str] = []
+    token_lps: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    for e in entries:
+        if e is None or e.logprob is None:  # a prompt's first token has no logprob
+            tok = fmt.text(e.token_id, e.token, decode) if e is not None else ""
+            token_lps.append(None)
+            tops.append(None)
+        else:
+            tok = fmt.text(e.token_id, e.token, decode)
+            token_lps.append(_lp(e.logprob))
+            tops.append(
+                {
+                    fmt.text(t, s, decode): _lp(lp)
+                    for i, (t, s, lp, _r) in enumerate(e.top)
+                    if fmt.explicit_ids or fmt.top == -1 or fmt.top >= i
+                }
+            )
+        offsets.append(offset)
+        offset += len(tok)
+        tokens.append(tok)
+    # built without validation: the first prompt token's logprob is null (as vLLM sends it),
+    # which the ``openai`` type does not allow for
+    return CompletionLogprobs.model_construct(
+        tokens=tokens, token_logprobs=token_lps, top_logprobs=tops, text_offset=offsets
+    )
+
+
+def chat_logprobs(
+    entries: Sequence[TokenLogprob], fmt: LogprobFormat, decode: Callable[[int], str]
+) -> list[ChatCompletionTokenLogprob]:
+    """The chat ``logprobs.content`` list, as vLLM builds it (``top_logprobs`` are the first
+    ``fmt.top`` of the engine's candidates)."""
+    out = []
+    for e in entries:
+        tok = fmt.text(e.token_id, e.token, decode)
+        top = [
+            TopLogprob(token=s2, logprob=_lp(lp), bytes=list(s2.encode("utf-8", "replace")))
+            for i, (t, s, lp, _r) in enumerate(e.top)
+            if fmt.explicit_ids or fmt.top == -1 or i < fmt.top
+            for s2 in (fmt.text(t, s, decode),)
+        ]
+        out.append(
+            ChatCompletionTokenLogprob(
+                token=tok,
+                logprob=_lp(e.logprob if e.logprob is not None else -9999.0),
+                bytes=list(tok.encode("utf-8", "replace")),
+                top_logprobs=top,
+            )
+        )
+    return out
+
+
+def prompt_logprobs_json(
+    entries: Sequence[TokenLogprob | None],
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's ``prompt_logprobs`` extension: per prompt position ``{token_id: {logprob, rank,
+    decoded_token}}``, ``None`` for the first."""
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for e in entries:
+        if e is None or e.logprob is None:
+            out.append(None)
+            continue
+        out.append(
+            {str(t): {"logprob": _lp(lp), "rank": r, "decoded_token": s} for t, s, lp, r in e.top}
+        )
+    return out
+
+
+# -- bodies --------------------------------------------------------------------------------------
+
+
+@dataclass
+class ChoiceOut:
+    """One choice of a response, accumulated from the decode's chunks (or one chunk's delta)."""
+
+    index: int = 0
+    text: str = ""
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    token_ids: list[int] = field(default_factory=list)
+    #: completions: the ``logprobs`` object; chat: the ``logprobs.content`` list
+    logprobs: Any = None
+    prompt_logprobs: Any = None
+
+
 def _dump(m: Any) -> dict[str, Any]:
     out: dict[str, Any] = m.model_dump(mode="json", exclude_unset=True)
     return out
@@ -245,15 +457,18 @@ def _dump(m: Any) -> dict[str, Any]:
 def completion_body(
     rid: str,
     model: str,
-    text: str,
-    finish_reason: str | None,
+    choices: Sequence[ChoiceOut],
     use: CompletionUsage,
     chat: bool,
+    *,
+    token_ids: bool = False,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A whole (non-streamed) completion or chat completion (the ``openai`` package's types)."""
+    """A whole (non-streamed) completion or chat completion (the ``openai`` package's types,
+    with vLLM's ``stop_reason``, and ``token_ids`` when ``token_ids``)."""
     created = int(time.time())
     if chat:
-        return _dump(
+        body = _dump(
             ChatCompletion(
                 id=rid,
                 object="chat.completion",
@@ -261,32 +476,43 @@ def completion_body(
                 model=model,
                 choices=[
                     ChatChoice(
-                        index=0,
-                        message=ChatCompletionMessage(role="assistant", content=text),
-                        finish_reason=finish_reason,  # type: ignore[arg-type]
-                        logprobs=None,
+                        index=c.index,
+                        message=ChatCompletionMessage(role="assistant", content=c.text),
+                        finish_reason=c.finish_reason,  # type: ignore[arg-type]
+                        logprobs=None if c.logprobs is None else ChoiceLogprobs(content=c.logprobs),
                     )
+                    for c in choices
                 ],
                 usage=use,
             )
         )
-    return _dump(
-        Completion(
-            id=rid,
-            object="text_completion",
-            created=created,
-            model=model,
-            choices=[
-                CompletionChoice(
-                    index=0,
-                    text=text,
-                    finish_reason=finish_reason,  # type: ignore[arg-type]
-                    logprobs=None,
-                )
-            ],
-            usage=use,
+    else:
+        body = _dump(
+            Completion(
+                id=rid,
+                object="text_completion",
+                created=created,
+                model=model,
+                choices=[
+                    CompletionChoice(
+                        index=c.index,
+                        text=c.text,
+                        finish_reason=c.finish_reason,  # type: ignore[arg-type]
+                        logprobs=c.logprobs,
+                    )
+                    for c in choices
+                ],
+                usage=use,
+            )
         )
-    )
+    for out, c in zip(body["choices"], choices, strict=True):
+        out["stop_reason"] = c.stop_reason
+        if token_ids:
+            out["token_ids"] = list(c.token_ids)
+        if c.prompt_logprobs is not None:
+            out["prompt_logprobs"] = c.prompt_logprobs
+    body.update(extra or {})
+    return body
 
 
 def stream_chunk(
@@ -295,29 +521,30 @@ def stream_chunk(
     created: int,
     *,
     chat: bool,
-    text: str | None = None,
+    delta: ChoiceOut | None = None,
     role: bool = False,
-    finish_reason: str | None = None,
     use: CompletionUsage | None = None,
+    token_ids: bool = False,
 ) -> dict[str, Any]:
-    """One SSE chunk. ``use`` set: the usage-only last chunk (``choices`` empty).
+    """One SSE chunk: ``delta`` is one choice's new text (and logprobs); ``use`` set: the
+    usage-only last chunk (``choices`` empty).
 
     Chat chunks are ``openai``'s ``ChatCompletionChunk``; text-completion chunks are its
     ``Completion`` built without validation (its ``finish_reason`` is not optional, but a
     stream's chunks before the last carry none, as OpenAI's and vLLM's servers send them).
     """
+    d = delta or ChoiceOut()
     if chat:
         choices = []
         if use is None:
-            delta = ChoiceDelta(role="assistant") if role else ChoiceDelta()
-            if text is not None:
-                delta.content = text
+            cd = ChoiceDelta(role="assistant") if role else ChoiceDelta()
+            cd.content = d.text
             choices = [
                 ChunkChoice(
-                    index=0,
-                    delta=delta,
-                    finish_reason=finish_reason,  # type: ignore[arg-type]
-                    logprobs=None,
+                    index=d.index,
+                    delta=cd,
+                    finish_reason=d.finish_reason,  # type: ignore[arg-type]
+                    logprobs=None if d.logprobs is None else ChunkLogprobs(content=d.logprobs),
                 )
             ]
         chunk = ChatCompletionChunk(
@@ -325,17 +552,23 @@ def stream_chunk(
         )
         if use is not None:
             chunk.usage = use  # marked as set, so it is dumped
-        return _dump(chunk)
-    body: dict[str, Any] = {"id": rid, "object": "text_completion", "created": created}
-    body["model"] = model
-    if use is not None:
-        body["choices"] = []
-        body["usage"] = use.model_dump(mode="json", exclude_unset=True)
-        return body
-    choice = CompletionChoice.model_construct(
-        index=0, text=text or "", finish_reason=finish_reason, logprobs=None
-    )
-    body["choices"] = [choice.model_dump(mode="json")]
+        body = _dump(chunk)
+    else:
+        body = {"id": rid, "object": "text_completion", "created": created, "model": model}
+        if use is not None:
+            body["choices"] = []
+            body["usage"] = use.model_dump(mode="json", exclude_unset=True)
+            return body
+        choice = CompletionChoice.model_construct(
+            index=d.index, text=d.text, finish_reason=d.finish_reason, logprobs=d.logprobs
+        )
+        body["choices"] = [choice.model_dump(mode="json")]
+    if use is None:
+        ch = body["choices"][0]
+        if d.finish_reason is not None:
+            ch["stop_reason"] = d.stop_reason
+        if token_ids:
+            ch["token_ids"] = list(d.token_ids)
     return body
 
 

@@ -17,9 +17,32 @@ PREFILL_KV_PARAMS: dict[str, Any] = {
 }
 
 
+class EngineRefused(ValueError):
+    """An engine replica refused a request's parameters before running it (vLLM's own checks:
+    ``logprobs`` above ``max_logprobs``, token ids outside the vocabulary, a schema the
+    structured-output backend cannot compile, ...). The ingress answers it with a 400 naming
+    ``param``; any other engine failure is a 502."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def __reduce__(self) -> tuple[Any, ...]:  # Ray pickles it back to the ingress
+        return (EngineRefused, (self.message, self.param))
+
+
 @dataclass(frozen=True)
 class Sampling:
-    """The sampling parameters the PD path honours (an OpenAI request's subset)."""
+    """A request's sampling: a summary the ingress and the routers read, and ``params``, the
+    keyword arguments of the whole ``vllm.SamplingParams`` the ingress built with vLLM's own
+    OpenAI request models (penalties, ``top_k``, ``logprobs``, structured output, ...).
+
+    ``params`` is ``None`` for internal requests (probes, benchmarks), which the summary
+    fields describe completely. The engine replicas derive each role's parameters from it:
+    the prefill keeps ``prompt_logprobs`` and runs one token; the decode keeps the rest and
+    runs ``n`` sequences (``seed + i`` for sequence ``i``, as vLLM's parallel sampling does).
+    """
 
     max_tokens: int
     temperature: float = 1.0
@@ -27,9 +50,15 @@ class Sampling:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    n: int = 1
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    params: dict[str, Any] | None = None
 
     def to_vllm_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of ``vllm.SamplingParams``."""
+        """Keyword arguments of ``vllm.SamplingParams`` (the whole request's, ``n`` included)."""
+        if self.params is not None:
+            return dict(self.params)
         return {
             "max_tokens": self.max_tokens,
             "temperature": self.temperature,
@@ -37,7 +66,22 @@ class Sampling:
             "seed": self.seed,
             "stop": list(self.stop) or None,
             "ignore_eos": self.ignore_eos,
+            "n": self.n,
+            "logprobs": self.logprobs,
+            "prompt_logprobs": self.prompt_logprobs,
         }
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One position's log-probabilities: the token there and the engine's candidates
+    ``(token_id, text, logprob, rank)`` in vLLM's order (the token itself first, then the top
+    ones). ``logprob`` is ``None`` for a prompt's first token, which has none."""
+
+    token_id: int
+    token: str | None
+    logprob: float | None
+    top: tuple[tuple[int, str | None, float, int | None], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -97,4 +141,10 @@ class EngineChunk:
     kv_transfer_params: dict[str, Any] | None = None
     stop_reason: str | int | None = None
     replica_id: str | None = None
+    #: which of the request's ``n`` sequences this chunk belongs to
+    index: int = 0
+    #: per generated token in this chunk (when ``logprobs`` was asked)
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    #: per prompt token, ``None`` for the first (a prefill's result, when asked)
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
     extra: dict[str, Any] = field(default_factory=dict)

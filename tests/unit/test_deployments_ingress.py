@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 
 from deployments.engine import _count_failed_transfers
 from deployments.openai_api import ChatCompletionRequest, CompletionRequest
-from deployments.protocol import EngineChunk, EngineRequest
+from deployments.protocol import EngineChunk, EngineRefused, EngineRequest
 
 pytestmark = pytest.mark.slow  # builds the tiny model's tokenizer once per session
 
@@ -36,6 +36,7 @@ class FakeEngine:
         self.role = role
         self.is_ready = ready
         self.fail_after: int | None = None  # raise after this many chunks (an engine failure)
+        self.refuse: str | None = None  # refuse requests' parameters, naming this field
         self.seen: list[EngineRequest] = []
         self.prefill = _Remote(self._prefill)
         self.decode = _Remote(self._decode)
@@ -47,6 +48,8 @@ class FakeEngine:
 
     async def _prefill(self, req: EngineRequest) -> EngineChunk:
         self.seen.append(req)
+        if self.refuse:
+            raise EngineRefused(f"{self.refuse} is out of range", self.refuse)
         if self.fail_after == 0:
             raise RuntimeError("engine refused the request")
         return EngineChunk("x", (9,), "length", len(req.prompt_token_ids), 128, 0.01, KV)
@@ -55,11 +58,13 @@ class FakeEngine:
         self.seen.append(req)
         n = req.sampling.max_tokens
         for i in range(n):
-            if self.fail_after is not None and i >= self.fail_after:
-                raise RuntimeError("decode engine died")
-            yield EngineChunk(
-                f"t{i}", (i,), "length" if i == n - 1 else None, len(req.prompt_token_ids), 0, 0.02
-            )
+            for seq in range(req.sampling.n):  # the n sequences' chunks interleave
+                if self.fail_after is not None and i >= self.fail_after:
+                    raise RuntimeError("decode engine died")
+                last = "length" if i == n - 1 else None
+                yield EngineChunk(
+                    f"t{i}", (i,), last, len(req.prompt_token_ids), 0, 0.02, index=seq
+                )
 
     async def _ready(self) -> bool:
         if not self.is_ready:
@@ -174,7 +179,7 @@ def test_auth_and_model_errors(wired: Any) -> None:
     assert client.post("/v1/completions", json=ok, headers=auth("nope")).status_code == 401
     r = client.post("/v1/completions", json={**ok, "model": "other"}, headers=auth())
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
-    r = client.post("/v1/completions", json={**ok, "temperature": 9}, headers=auth())
+    r = client.post("/v1/completions", json={**ok, "temperature": -1}, headers=auth())
     assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
     r = client.post("/v1/completions", json={**ok, "prompt": ["a", "b"]}, headers=auth())
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
@@ -245,3 +250,61 @@ def test_engine_failures_are_gateway_errors_and_streams_stay_well_formed(wired: 
         assert any("error" in e and "decode failed" in e["error"]["message"] for e in events)
     finally:
         pre.fail_after = dec.fail_after = None
+
+
+def test_engine_refusals_are_400s_naming_the_field(wired: Any) -> None:
+    client, pre, _ = wired
+    try:
+        pre.refuse = "logprobs"
+        r = client.post(
+            "/v1/completions", headers=auth(), json={"model": "test", "prompt": "hi", "logprobs": 5}
+        )
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+    finally:
+        pre.refuse = None
+
+
+def test_a_stream_that_fails_before_its_first_token_is_an_http_error(wired: Any) -> None:
+    client, _, dec = wired
+    try:
+        dec.fail_after = 0
+        body = {"model": "test", "prompt": "hi", "max_tokens": 3, "stream": True}
+        r = client.post("/v1/completions", headers=auth(), json=body)
+        assert r.status_code == 502 and "decode failed" in r.json()["error"]["message"]
+    finally:
+        dec.fail_after = None
+
+
+def test_n_choices_echo_and_request_id(wired: Any) -> None:
+    client, _, dec = wired
+    body = {
+        "model": "test",
+        "prompt": "hello",
+        "max_tokens": 2,
+        "n": 2,
+        "echo": True,
+        "request_id": "abc",
+        "return_token_ids": True,
+    }
+    r = client.post("/v1/completions", headers=auth(), json=body).json()
+    assert r["id"] == "cmpl-abc"
+    assert dec.seen[-1].request_id != "cmpl-abc"  # the engines' id stays unique
+    assert [c["index"] for c in r["choices"]] == [0, 1]
+    assert all(c["text"] == "hellot0t1" for c in r["choices"])  # the prompt, then the output
+    assert r["choices"][0]["token_ids"] == [0, 1] and r["choices"][0]["prompt_token_ids"]
+    assert r["usage"]["completion_tokens"] == 4
+    with client.stream(
+        "POST",
+        "/v1/chat/completions",
+        headers=auth(),
+        json={
+            "model": "test",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2,
+            "n": 2,
+            "stream": True,
+        },
+    ) as s:
+        chunks = [json.loads(ln[6:]) for ln in s.iter_lines() if ln.startswith("data: {")]
+    firsts = [c["choices"][0] for c in chunks if c["choices"][0]["delta"].get("role")]
+    assert sorted(c["index"] for c in firsts) == [0, 1]  # each choice opens with the role
