@@ -27,10 +27,13 @@ from typing import Literal
 
 Preset = Literal["test", "bench"]
 
+#: Tools, when a request gives them, go in a system turn as JSON (as real models' templates
+#: render them), so the tool path through the chat template is exercised on the tiny models.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}{{ '<|system|>\\ntools: ' + (tools | tojson) + eos_token + '\\n' }}{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + '\\n' }}"
+    "{{ '<|' + message['role'] + '|>\\n' + (message['content'] or '') + eos_token + '\\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
 )
