@@ -30,7 +30,7 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -165,11 +165,14 @@ class Tokenizer:
     def token_text(self, token_id: int) -> str:
         return self.decode([token_id])
 
-    def completion_prompt(self, prompt: Any, add_special_tokens: bool) -> tuple[list[int], str]:
-        """``(token ids, prompt text)`` of one completion prompt (text or token ids)."""
+    def completion_prompt(
+        self, prompt: Any, add_special_tokens: bool
+    ) -> tuple[list[int], str | None]:
+        """``(token ids, prompt text)`` of one completion prompt: the text when it came as
+        text, ``None`` when it came as token ids (decoded only if ``echo`` needs it)."""
         p = single_prompt(prompt)
         if isinstance(p, list):
-            return self.check_ids(p, "prompt"), self.decode(p)
+            return self.check_ids(p, "prompt"), None
         return self.encode(p, add_special_tokens), p
 
     def render(self, req: Any) -> str:
@@ -542,7 +545,8 @@ class IngressCore:
         salt = tenant if not body.cache_salt else f"{tenant}:{body.cache_salt}"
         max_len = self.cfg.model.max_model_len
 
-        def work() -> tuple[list[int], str, Resolved, dict[str, list[int]]]:
+        def work() -> tuple[list[int], str | None, Resolved, dict[str, list[int]]]:
+            text: str | None
             if chat:
                 ids, text = self.tokenizer.chat_prompt(body)
             else:
@@ -552,6 +556,7 @@ class IngressCore:
                 keep = max_len if body.truncate_prompt_tokens == -1 else body.truncate_prompt_tokens
                 if len(ids) > keep:
                     ids = ids[:keep] if body.truncation_side == "right" else ids[len(ids) - keep :]
+                    text = None if not chat else text  # echo the prompt as truncated
             if not ids:
                 raise RequestError("the prompt is empty", "messages" if chat else "prompt")
             resolved = sampling_of(
@@ -581,7 +586,7 @@ class IngressCore:
             salt=salt,
             engine_rid=new_id(rid),
             fmt=LogprobFormat.of(body),
-            echo=_echo(body, text),
+            echo=_echo(body, text, lambda: self.tokenizer.decode(ids)),
             echo_only=resolved.echo_only,
             token_ids=bool(body.return_token_ids),
         )
@@ -633,7 +638,7 @@ class IngressCore:
             prep.sampling,
             cache_salt=prep.salt,
             kv_transfer_params=pre.kv_transfer_params,
-            route=RouteHint(len(prep.ids), None, prep.sampling.max_tokens),
+            route=RouteHint(len(prep.ids), None, prep.sampling.max_tokens * prep.sampling.n),
         )
         t = time.monotonic()
         stream = self.decode_stream.decode.remote(dreq)
@@ -840,13 +845,18 @@ def _engine_error(phase: str, prep: Prepared, e: BaseException) -> RequestError:
     return RequestError(f"{phase} failed: {_reason(e)}", None, status=502)
 
 
-def _echo(body: CompletionRequest | ChatCompletionRequest, prompt_text: str) -> str | None:
-    """What an ``echo`` response starts with: a completion's prompt; for chat, the last
-    message's content when it is the assistant's (vLLM's rule)."""
+def _echo(
+    body: CompletionRequest | ChatCompletionRequest,
+    prompt_text: str | None,
+    decoded: Callable[[], str],
+) -> str | None:
+    """What an ``echo`` response starts with: a completion's prompt (``decoded()`` when it
+    came as token ids); for chat, the last message's content when it is the assistant's
+    (vLLM's rule)."""
     if not body.echo:
         return None
     if isinstance(body, CompletionRequest):
-        return prompt_text
+        return prompt_text if prompt_text is not None else decoded()
     if body.messages and dict(body.messages[-1]).get("role") == "assistant":
         return _text_of(dict(body.messages[-1]).get("content"), "messages")
     return None
