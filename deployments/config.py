@@ -333,6 +333,41 @@ class AppRoutingConfig(RoutingConfig):
     )
 
 
+class TracingConfig(_Strict):
+    """Where the app's OpenTelemetry spans go (see :mod:`deployments.telemetry`)."""
+
+    exporter: Literal["none", "console", "otlp", "file"] = Field(
+        default="none",
+        description="none; console (each process's stdout); otlp (OTLP over HTTP to "
+        "'endpoint', or the OTEL_EXPORTER_OTLP_* environment); file (JSON lines under 'path').",
+    )
+    endpoint: str | None = Field(
+        default=None, description="OTLP HTTP traces endpoint, e.g. http://collector:4318/v1/traces."
+    )
+    path: str | None = Field(
+        default=None, description="Folder of the file exporter (one file per process)."
+    )
+    sample_ratio: float = Field(
+        default=1.0,
+        ge=0.0,
+        le=1.0,
+        description="Share of new traces sampled (a client's "
+        "sampled traceparent is always followed).",
+    )
+
+    @model_validator(mode="after")
+    def _where(self) -> TracingConfig:
+        if self.exporter == "file" and not self.path:
+            raise ValueError("observability.tracing.path: the file exporter needs a folder")
+        return self
+
+
+class ObservabilityConfig(_Strict):
+    """Traces and metrics."""
+
+    tracing: TracingConfig = Field(default_factory=TracingConfig, description="Spans.")
+
+
 class AppConfig(_Strict):
     """The whole prefill/decode application."""
 
@@ -352,6 +387,9 @@ class AppConfig(_Strict):
     index: IndexConfig = Field(default_factory=IndexConfig, description="The prefix index.")
     routing: AppRoutingConfig = Field(
         default_factory=AppRoutingConfig, description="Routing of prefill and decode requests."
+    )
+    observability: ObservabilityConfig = Field(
+        default_factory=ObservabilityConfig, description="Traces (OpenTelemetry) and metrics."
     )
     cache_dir: str = Field(
         default=DEFAULT_CACHE_DIR,

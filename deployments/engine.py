@@ -42,6 +42,7 @@ from deployments.protocol import (
     Sampling,
     TokenLogprob,
 )
+from deployments.telemetry import extract, metrics, set_attrs, tracer
 from engines.launch import EngineLaunch, start_engine
 from engines.runtime import load_report
 
@@ -75,9 +76,12 @@ def _count_failed_transfers(stats: Any) -> int:
     return _count_failed_transfers(data) if isinstance(data, dict) else 0
 
 
-def make_counter_logger(counters: EngineCounters) -> Any:
-    """A vLLM stat-logger factory whose loggers add each step's stats into ``counters``."""
+def make_counter_logger(counters: EngineCounters, role: str = "") -> Any:
+    """A vLLM stat-logger factory whose loggers add each step's stats into ``counters`` and
+    the app's metrics (``pdserve_*_hit_tokens``, ``pdserve_kv_load_failures``)."""
     from vllm.v1.metrics.loggers import StatLoggerBase
+
+    m = metrics()
 
     class CounterStatLogger(StatLoggerBase):
         def __init__(self, vllm_config: Any, engine_index: int = 0) -> None:
@@ -94,14 +98,18 @@ def make_counter_logger(counters: EngineCounters) -> Any:
             if scheduler_stats is not None:
                 c.prefix_queries += scheduler_stats.prefix_cache_stats.queries
                 c.prefix_hits += scheduler_stats.prefix_cache_stats.hits
+                m.inc(
+                    "pdserve_prefix_hit_tokens", scheduler_stats.prefix_cache_stats.hits, role=role
+                )
                 ext = scheduler_stats.connector_prefix_cache_stats
                 if ext is not None:
                     c.external_queries += ext.queries
                     c.external_hits += ext.hits
+                    m.inc("pdserve_external_hit_tokens", ext.hits, role=role)
                 if scheduler_stats.kv_connector_stats:
-                    c.kv_load_failures += _count_failed_transfers(
-                        scheduler_stats.kv_connector_stats
-                    )
+                    failed = _count_failed_transfers(scheduler_stats.kv_connector_stats)
+                    c.kv_load_failures += failed
+                    m.inc("pdserve_kv_load_failures", failed, role=role)
             if iteration_stats is not None:
                 c.requests_finished += len(iteration_stats.finished_requests)
 
@@ -263,6 +271,31 @@ def _refusal(e: Exception) -> Exception:
     return e
 
 
+def _pop_admission(admissions: dict[str, Any] | None, rid: str) -> dict[str, Any] | None:
+    """The scheduler's admission record of request ``rid`` (vLLM may add a suffix to the
+    id it schedules under), removed."""
+    if not admissions:
+        return None
+    if rid in admissions:
+        return dict(admissions.pop(rid))
+    key = next((k for k in list(admissions) if k.startswith(rid + "-")), None)
+    return dict(admissions.pop(key)) if key is not None else None
+
+
+def _vllm_metrics_loggers() -> list[Any]:
+    """vLLM's own engine metrics through Ray's metrics API (``ray_vllm_*``), as Ray Serve
+    LLM exports them; none outside Ray."""
+    try:
+        import ray
+
+        if not ray.is_initialized():
+            return []
+        from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
+    except Exception:  # an older vLLM without it: our own series still go out
+        return []
+    return [RayPrometheusStatLogger]
+
+
 def _free_port(taken: set[int]) -> int:
     """A TCP port free on this node now, not in ``taken`` (added to it)."""
     while True:
@@ -350,9 +383,11 @@ class EngineReplica:
             self.cfg, role, rank, _node_ip(), lambda: _free_port(taken)
         )
         self.counters = EngineCounters()
+        self.metrics = metrics()
+        self.tracer = tracer(self.cfg.observability.tracing.model_dump(), role)
         self.engine = InProcessEngine(
             engine_launch(self.cfg, role, self.ports),
-            [make_counter_logger(self.counters)],
+            [make_counter_logger(self.counters, role), *_vllm_metrics_loggers()],
             transfer_poll_s=self.cfg.engine(role).transfer_poll_s,
         )
         self._ready = False
@@ -573,24 +608,76 @@ class EngineReplica:
         if req.cache_salt:
             prompt["cache_salt"] = req.cache_salt
         rid = f"{self.role}-{req.request_id}" + (f"-{seq}" if seq else "")
-        async for out in self.engine.generate(prompt, sp, rid):
-            c = out.outputs[0]
-            ids = tuple(c.token_ids)
-            yield EngineChunk(
-                text=c.text,
-                token_ids=ids,
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
-                num_prompt_tokens=len(out.prompt_token_ids or req.prompt_token_ids),
-                num_cached_tokens=int(out.num_cached_tokens or 0),
-                engine_s=time.monotonic() - t0,
-                kv_transfer_params=out.kv_transfer_params,
-                replica_id=self.replica_id,
-                logprobs=None if c.logprobs is None else _logprobs(ids, c.logprobs),
-                prompt_logprobs=None
-                if out.prompt_logprobs is None
-                else _prompt_logprobs(req.prompt_token_ids, out.prompt_logprobs),
+        span = None
+        if req.trace is not None:  # a traced request: this replica's span under the ingress's
+            span = self.tracer.start_span(f"engine.{self.role}", context=extract(req.trace))
+            load = self.engine.load
+            set_attrs(
+                span,
+                {
+                    "role": self.role,
+                    "replica": self.replica_id,
+                    "request_id": req.request_id,
+                    "sequence": seq,
+                    "prompt_tokens": len(req.prompt_token_ids),
+                    "kv_transfer": bool(kv_params),
+                    "submit.waiting": load.get("waiting"),
+                    "submit.queued_uncached_tokens": load.get("queued_uncached_tokens"),
+                    "submit.window_tokens": load.get("window_tokens"),
+                    "submit.token_load": load.get("token_load"),
+                },
             )
+        out = None
+        try:
+            async for out in self.engine.generate(prompt, sp, rid):
+                yield self._chunk(req, out, t0)
+        finally:
+            self._finish(rid, out, span)
+
+    def _chunk(self, req: EngineRequest, out: Any, t0: float) -> EngineChunk:
+        c = out.outputs[0]
+        ids = tuple(c.token_ids)
+        return EngineChunk(
+            text=c.text,
+            token_ids=ids,
+            finish_reason=c.finish_reason,
+            stop_reason=c.stop_reason,
+            num_prompt_tokens=len(out.prompt_token_ids or req.prompt_token_ids),
+            num_cached_tokens=int(out.num_cached_tokens or 0),
+            engine_s=time.monotonic() - t0,
+            kv_transfer_params=out.kv_transfer_params,
+            replica_id=self.replica_id,
+            logprobs=None if c.logprobs is None else _logprobs(ids, c.logprobs),
+            prompt_logprobs=None
+            if out.prompt_logprobs is None
+            else _prompt_logprobs(req.prompt_token_ids, out.prompt_logprobs),
+        )
+
+    def _finish(self, rid: str, out: Any, span: Any) -> None:
+        """A request left the engine: its queue wait and the policy's decision at admission
+        go to the metrics and, when traced, to its span, which ends here."""
+        adm = _pop_admission(getattr(self.engine.scheduler, "admissions", None), rid)
+        st = getattr(out, "metrics", None) if out is not None else None
+        queued, scheduled = getattr(st, "queued_ts", 0.0), getattr(st, "scheduled_ts", 0.0)
+        first = getattr(st, "first_token_ts", 0.0)
+        wait = scheduled - queued if queued and scheduled else None
+        if wait is not None:
+            self.metrics.observe("pdserve_engine_queue_wait_seconds", wait, role=self.role)
+        if adm is not None and adm.get("lane"):
+            self.metrics.inc("pdserve_fairway_admissions", role=self.role, lane=adm["lane"])
+        if span is None:
+            return
+        set_attrs(
+            span,
+            {
+                "queue_wait_s": wait,
+                "first_token_s": first - queued if queued and first else None,
+                "cached_tokens": int(getattr(out, "num_cached_tokens", 0) or 0) if out else None,
+                "finished": bool(out is not None and out.finished),
+            }
+            | {f"admission.{k}": v for k, v in (adm or {}).items()},
+        )
+        span.end()
 
     # -- health and reports --------------------------------------------------------------
     async def ready(self) -> bool:
@@ -609,8 +696,20 @@ class EngineReplica:
         return True
 
     def record_routing_stats(self) -> dict[str, Any]:
-        """The load report Serve polls for the routers (see :mod:`deployments.router`)."""
+        """The load report Serve polls for the routers (see :mod:`deployments.router`); its
+        gauges go to the app's metrics too."""
         p = self.ports
+        load = self.engine.load
+        tags = {"role": self.role, "replica": self.replica_id}
+        for series, key in (
+            ("pdserve_engine_waiting", "waiting"),
+            ("pdserve_engine_running", "running"),
+            ("pdserve_engine_queued_uncached_tokens", "queued_uncached_tokens"),
+            ("pdserve_engine_kv_usage", "kv_usage"),
+            ("pdserve_twp_window_tokens", "window_tokens"),
+            ("pdserve_twp_token_load", "token_load"),
+        ):
+            self.metrics.set(series, load.get(key), **tags)
         return {
             **self.engine.load,
             "role": self.role,

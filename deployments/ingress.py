@@ -38,6 +38,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from opentelemetry.trace import SpanKind, Status, StatusCode
 from vllm.exceptions import VLLMClientError
 
 from deployments.config import AppConfig
@@ -74,6 +75,7 @@ from deployments.protocol import (
     TokenLogprob,
 )
 from deployments.router_registry import directory, router_stats
+from deployments.telemetry import child, extract, inject, metrics, set_attrs, tracer
 
 log = logging.getLogger(__name__)
 
@@ -258,6 +260,10 @@ class Prepared:
     timing: dict[str, float] = field(default_factory=dict)
     #: when the decode's last chunk arrived (monotonic; the ``respond`` phase starts there)
     last_chunk_at: float | None = None
+    #: when the decode's first chunk arrived (monotonic): the ingress's time to first token
+    first_chunk_at: float | None = None
+    #: the request's root span (``pdserve.request``), ended with the response
+    span: Any = None
 
 
 #: Statistics of the directory reports shown per replica in ``/v1/pdserve/stats``.
@@ -308,6 +314,8 @@ class IngressCore:
         self.tokenizer = Tokenizer(str(self.cfg.model.resolved_path()))
         self.defaults = model_defaults(str(self.cfg.model.resolved_path()))
         self.model_name = self.cfg.model.served_name
+        self.tracer = tracer(self.cfg.observability.tracing.model_dump(), "ingress")
+        self.metrics = metrics()
         self.index = IndexView(self.cfg, app_name)
         self.directories = {
             "prefill": directory(app_name, "prefill"),
@@ -466,23 +474,54 @@ class IngressCore:
         A stream's response starts once the decode's first chunk is in, so a refusal or a
         failure before any token is an HTTP status, not an error event inside a 200."""
         self._ensure_started()
+        endpoint = "chat" if isinstance(body, ChatCompletionRequest) else "completions"
+        root = self.tracer.start_span(
+            "pdserve.request", context=extract(request.headers), kind=SpanKind.SERVER
+        )
+        set_attrs(root, {"endpoint": endpoint, "model": self.model_name})
+        span = child(self.tracer, "pdserve.prepare", root)
         try:
             prep = await self.prepare(request, body)
         except RequestError as e:
             self.refused += 1
+            span.end()
+            self._finish_span(root, e.status, e.message)
+            self.metrics.inc("pdserve_requests", tenant="", endpoint=endpoint, status=str(e.status))
             return _error(e)
+        span.end()
+        prep.span = root
+        set_attrs(
+            root,
+            {
+                "request_id": prep.rid,
+                "tenant": prep.tenant,
+                "prompt_tokens": len(prep.ids),
+                "stream": prep.stream,
+                "n": prep.sampling.n,
+            },
+        )
         self.requests += 1
+        span = child(self.tracer, "pdserve.route", root)
         hint = await self.route(prep)
+        set_attrs(
+            span,
+            {
+                "policy": self.cfg.routing.policy,
+                "index_answered": hint.matches is not None,
+                "index_best_tokens": max((hint.matches or {}).values(), default=0),
+            },
+        )
+        span.end()
         try:
             pre = await self.run_prefill(prep, hint)
         except RequestError as e:
-            return _error(e)
+            return self._failed(prep, e)
         chunks = _nothing() if prep.echo_only else self.decode_chunks(prep, pre)
         if prep.stream:
             try:
                 first = await anext(chunks, None)
             except RequestError as e:
-                return _error(e)
+                return self._failed(prep, e)
             return StreamingResponse(
                 self.respond_sse(prep, pre, _prepend(first, chunks)),
                 media_type="text/event-stream",
@@ -613,25 +652,42 @@ class IngressCore:
 
     async def run_prefill(self, prep: Prepared, hint: RouteHint) -> EngineChunk:
         """One output token on the routed prefill replica; 502/504 as :class:`RequestError`."""
+        span = child(self.tracer, "pdserve.prefill", prep.span)
         req = EngineRequest(
-            prep.engine_rid, prep.ids, prep.sampling, cache_salt=prep.salt, route=hint
+            prep.engine_rid,
+            prep.ids,
+            prep.sampling,
+            cache_salt=prep.salt,
+            route=hint,
+            trace=inject(span),
         )
         t = time.monotonic()
         call = self.prefill.prefill.remote(req)
         try:
             pre: EngineChunk = await asyncio.wait_for(call, self.cfg.ingress.engine_timeout_s)
             prep.timing["prefill"] = time.monotonic() - t - pre.engine_s
+            set_attrs(
+                span,
+                {
+                    "replica": pre.replica_id,
+                    "cached_tokens": pre.num_cached_tokens,
+                    "engine_s": pre.engine_s,
+                },
+            )
             return pre
         except TimeoutError:
             _cancel(call)  # or the prefill runs on and holds KV blocks nobody will read
             raise RequestError("prefill timed out", None, status=504) from None
         except Exception as e:  # the engine refused (400) or failed: a gateway error, not a 500
             raise _engine_error("prefill", prep, e) from None
+        finally:
+            span.end()
 
     async def decode_chunks(self, prep: Prepared, pre: EngineChunk) -> AsyncIterator[EngineChunk]:
         """The decode replica's chunks, for both response forms. Engine failures and the
         deadline (``engine_timeout_s`` from the first chunk request) raise
         :class:`RequestError` (502/504); the stream is cancelled on the way out."""
+        span = child(self.tracer, "pdserve.decode", prep.span)
         dreq = EngineRequest(
             prep.engine_rid,
             prep.ids,
@@ -639,7 +695,9 @@ class IngressCore:
             cache_salt=prep.salt,
             kv_transfer_params=pre.kv_transfer_params,
             route=RouteHint(len(prep.ids), None, prep.sampling.max_tokens * prep.sampling.n),
+            trace=inject(span),
         )
+        n_out = 0
         t = time.monotonic()
         stream = self.decode_stream.decode.remote(dreq)
         it = stream.__aiter__()
@@ -658,6 +716,11 @@ class IngressCore:
                 except Exception as e:
                     raise _engine_error("decode", prep, e) from None
                 prep.last_chunk_at = time.monotonic()
+                if prep.first_chunk_at is None:
+                    prep.first_chunk_at = prep.last_chunk_at
+                    span.add_event("first_token")
+                    set_attrs(span, {"replica": ch.replica_id})
+                n_out += len(ch.token_ids)
                 waited = prep.last_chunk_at - t - ch.engine_s
                 prep.timing.setdefault("decode_first", waited)
                 prep.timing["decode"] = waited
@@ -665,6 +728,8 @@ class IngressCore:
                     raise RequestError(f"decode ended with {ch.finish_reason!r}", None, status=502)
                 yield ch
         finally:
+            set_attrs(span, {"completion_tokens": n_out, "finished": done})
+            span.end()
             if not done:
                 _cancel(stream)
 
@@ -726,11 +791,11 @@ class IngressCore:
                 c.stop_reason = d.stop_reason if d.finish_reason else c.stop_reason
                 c.logprobs = _merge_logprobs(c.logprobs, d.logprobs)
         except RequestError as e:
-            return _error(e)
+            return self._failed(prep, e)
         if prep.echo_only:
             d = self._delta(prep, pre, self._echo_chunk(prep, pre), state)
             choices[0] = d
-        total_s, engine_s = self._record(prep, pre, last)
+        total_s, engine_s = self._record(prep, pre, last, n_out)
         extra = dict(prep.extra)
         if pre.prompt_logprobs is not None:
             plp = prompt_logprobs_json(pre.prompt_logprobs)
@@ -767,6 +832,18 @@ class IngressCore:
     async def respond_sse(
         self, prep: Prepared, pre: EngineChunk, chunks: AsyncIterator[EngineChunk]
     ) -> AsyncIterator[str]:
+        """The SSE lines of a streamed response (its trace ends even when the client goes)."""
+        try:
+            async for line in self._sse(prep, pre, chunks):
+                yield line
+        finally:
+            if prep.span is not None:  # the client went away mid-stream
+                self._finish_span(prep.span, 499, "client disconnected")
+                prep.span = None
+
+    async def _sse(
+        self, prep: Prepared, pre: EngineChunk, chunks: AsyncIterator[EngineChunk]
+    ) -> AsyncIterator[str]:
         created = int(time.time())
         m = self.model_name
 
@@ -799,17 +876,26 @@ class IngressCore:
                     yield sse(body)
         except RequestError as e:  # an error event, then usage and [DONE]: well-formed
             yield sse(e.body())
+            status = e.status
+        else:
+            status = 200
         if prep.with_usage:
             use = usage(pre.num_prompt_tokens, n_out, pre.num_cached_tokens)
             yield sse(stream_chunk(prep.rid, m, created, chat=prep.chat, use=use))
         yield "data: [DONE]\n\n"
-        self._record(prep, pre, last)
+        self._record(prep, pre, last, n_out, status)
 
     def _record(
-        self, prep: Prepared, pre: EngineChunk, last: EngineChunk | None
+        self,
+        prep: Prepared,
+        pre: EngineChunk,
+        last: EngineChunk | None,
+        n_out: int = 0,
+        status: int = 200,
     ) -> tuple[float, float]:
-        """Record one finished request's overhead (its wall time minus both engines' time)
-        and phase times (see ``phases``); returns ``(wall seconds, engine seconds)``."""
+        """Record one finished request: its overhead (wall time minus both engines' time) and
+        phase times (see ``phases``), its metrics, and the end of its trace; returns ``(wall
+        seconds, engine seconds)``."""
         now = time.monotonic()
         total_s = now - prep.t0
         engine_s = pre.engine_s + (last.engine_s if last else 0.0)
@@ -818,7 +904,57 @@ class IngressCore:
             self.phases[k].append(max(0.0, v))
         if prep.last_chunk_at is not None:
             self.phases["respond"].append(now - prep.last_chunk_at)
+        m, tenant = self.metrics, prep.tenant
+        m.inc("pdserve_requests", tenant=tenant, endpoint=_endpoint(prep), status=str(status))
+        m.observe("pdserve_e2e_seconds", total_s, tenant=tenant)
+        m.observe("pdserve_ingress_overhead_seconds", max(0.0, total_s - engine_s))
+        m.inc("pdserve_prompt_tokens", len(prep.ids), tenant=tenant)
+        m.inc("pdserve_cached_tokens", pre.num_cached_tokens, tenant=tenant)
+        m.inc("pdserve_completion_tokens", n_out, tenant=tenant)
+        ttft = None
+        if prep.first_chunk_at is not None:
+            ttft = prep.first_chunk_at - prep.t0
+            m.observe("pdserve_ttft_seconds", ttft, tenant=tenant)
+            per_seq = n_out / max(1, prep.sampling.n)
+            if prep.last_chunk_at is not None and per_seq > 1:
+                itl = (prep.last_chunk_at - prep.first_chunk_at) / (per_seq - 1)
+                m.observe("pdserve_itl_seconds", itl, tenant=tenant)
+        if prep.span is not None:
+            set_attrs(
+                prep.span,
+                {
+                    "prefill_replica": pre.replica_id,
+                    "decode_replica": last.replica_id if last else None,
+                    "cached_tokens": pre.num_cached_tokens,
+                    "completion_tokens": n_out,
+                    "ttft_s": ttft,
+                    "engine_s": engine_s,
+                },
+            )
+            self._finish_span(prep.span, status, None)
+            prep.span = None
         return total_s, engine_s
+
+    def _failed(self, prep: Prepared, e: RequestError) -> JSONResponse:
+        """A request that failed after ``prepare``: its metric and trace end, its error body."""
+        self.metrics.inc(
+            "pdserve_requests", tenant=prep.tenant, endpoint=_endpoint(prep), status=str(e.status)
+        )
+        if prep.span is not None:
+            self._finish_span(prep.span, e.status, e.message)
+            prep.span = None
+        return _error(e)
+
+    @staticmethod
+    def _finish_span(span: Any, status: int, message: str | None) -> None:
+        span.set_attribute("http.response.status_code", status)
+        if status >= 400:
+            span.set_status(Status(StatusCode.ERROR, message))
+        span.end()
+
+
+def _endpoint(prep: Prepared) -> str:
+    return "chat" if prep.chat else "completions"
 
 
 def _size(body: CompletionRequest | ChatCompletionRequest) -> int:

@@ -29,11 +29,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from deployments.config import AppConfig
+from deployments.telemetry import metrics
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +119,7 @@ class IndexView:
         n = max((len(h) for h in hashes.values()), default=0)
         self.stats.blocks_queried += n
         found: dict[str, dict[str, int]] = {}
+        t0 = time.monotonic()
         for mode, hs in hashes.items():
             try:
                 got = await match_within(self.index, hs, self.cfg.index.lookup_timeout_s)
@@ -126,8 +129,13 @@ class IndexView:
                 self.stats.errors += 1
             if got is None:
                 self.stats.timeouts += 1
+                metrics().observe(
+                    "pdserve_index_lookup_seconds", time.monotonic() - t0, result="unavailable"
+                )
                 return None
             found[mode] = got
+        answered = "hit" if any(found.values()) else "miss"
+        metrics().observe("pdserve_index_lookup_seconds", time.monotonic() - t0, result=answered)
         by_replica: dict[str, int] = {}
         for mode, got in found.items():
             for rid, blocks in got.items():

@@ -120,6 +120,8 @@ class EngineRequest:
     cache_salt: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
     route: RouteHint | None = None
+    #: the W3C trace headers of the ingress's call span (the replica's span is its child)
+    trace: dict[str, str] | None = None
 
 
 @dataclass(frozen=True)

@@ -153,8 +153,7 @@ class _Bookkeeping:
         for book in (self._decided, self._inflight):  # calls that never completed (cancelled)
             while len(book) > MAX_TRACKED:
                 del book[next(iter(book))]
-        with self.counters.lock:
-            self.counters.routed[rid] += 1
+        self.counters.add_routed(rid)
 
     def _ranked(
         self, candidates: list[RunningReplica], order: list[str]
@@ -340,5 +339,4 @@ class ServeDefaultRouter(_Bookkeeping, PowerOfTwoChoicesRequestRouter):
             if internal_request_id not in self._engine_calls:
                 return
             self._engine_calls.discard(internal_request_id)
-        with self.counters.lock:
-            self.counters.routed[replica_id.unique_id] += 1
+        self.counters.add_routed(replica_id.unique_id)

@@ -13,6 +13,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from deployments.telemetry import metrics
+
 
 class ReplicaDirectory:
     """Replica id -> its last load report, for one deployment in this process (thread-safe)."""
@@ -57,10 +59,22 @@ class RouterCounters:
     routed: Counter[str] = field(default_factory=Counter)
     fallbacks: Counter[str] = field(default_factory=Counter)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    #: the deployment (role) these count for: the ``role`` tag of their metrics
+    deployment: str = ""
 
     def count(self, name: str, by: int = 1) -> None:
+        """A named fallback, ``by`` times (also ``pdserve_routing_fallbacks``)."""
         with self.lock:
             self.fallbacks[name] += by
+        metrics().inc("pdserve_routing_fallbacks", by, role=self.deployment, fallback=name)
+
+    def add_routed(self, replica: str) -> None:
+        """One request sent to ``replica`` (also ``pdserve_routed``)."""
+        with self.lock:
+            self.routed[replica] += 1
+        metrics().inc(
+            "pdserve_routed", role=self.deployment, replica=replica, reason=self.policy or "?"
+        )
 
     def as_dict(self) -> dict[str, Any]:
         with self.lock:
@@ -82,6 +96,6 @@ def router_stats(app: str, deployment: str) -> dict[str, Any]:
 def counters_for(app: str, deployment: str, policy: str) -> RouterCounters:
     """The counters of ``app``'s ``deployment`` router in this process, named ``policy``."""
     with _REGISTRY_LOCK:
-        c = _STATS.setdefault((app, deployment), RouterCounters())
+        c = _STATS.setdefault((app, deployment), RouterCounters(deployment=deployment))
         c.policy = policy
         return c

@@ -180,6 +180,13 @@ class PdserveSchedulerMixin:
         self._queued_uncached = 0
         self._token_load = 0
         self.last_state: dict[str, Any] = {}
+        #: request id -> its Fairway lane and rank in the last plan while it waited
+        self._placements: dict[str, tuple[str, int]] = {}
+        #: request id -> the policy's decision when it was admitted (first scheduled): its
+        #: Fairway ``lane`` and ``rank``, the ``queue`` it was in, and the TWP gate's
+        #: ``window_tokens`` and ``slowdown`` then. Read (and popped) by the replica for its
+        #: trace; bounded, the oldest dropped first.
+        self.admissions: dict[str, dict[str, Any]] = {}
 
     # ----- the step hooks ------------------------------------------------------------
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
@@ -193,6 +200,8 @@ class PdserveSchedulerMixin:
             if held:
                 self.waiting.extend(held)
         t2 = self.clock()
+        if out.scheduled_new_reqs:
+            self._record_admissions(out.scheduled_new_reqs, n_waiting)
         if self._observe_step is not None:
             # Stateful prefill policies (k-LPM's turns, fairway_xstep's allowances) learn
             # what this step actually scheduled, as the simulator tells them.
@@ -281,6 +290,20 @@ class PdserveSchedulerMixin:
             self._publish(rec)
         return outputs
 
+    def _record_admissions(self, new_reqs: list[Any], queue: int) -> None:
+        gate = self.gate
+        for nr in new_reqs:
+            lane, rank = self._placements.pop(nr.req_id, (None, None))
+            self.admissions[nr.req_id] = {
+                "lane": lane,
+                "rank": rank,
+                "queue": queue,
+                "window_tokens": gate.window_tokens if gate is not None else None,
+                "slowdown": gate.state.sigma if gate is not None else None,
+            }
+        while len(self.admissions) > 4096:  # nobody read them: keep the newest
+            self.admissions.pop(next(iter(self.admissions)))
+
     # ----- phases --------------------------------------------------------------------
     def _before_schedule(self, now_mono: float) -> list[Any]:
         if self.prefill is None and self.gate is None:
@@ -342,6 +365,10 @@ class PdserveSchedulerMixin:
             ids = plan.order
             fast = sum(1 for lane in plan.lanes if lane == FAST)
             self._lanes = {"fast": fast, "fair": len(plan.lanes) - fast}
+            self._placements = {
+                rid: ("fast" if lane == FAST else "fair", rank)
+                for rank, (rid, lane) in enumerate(zip(plan.order, plan.lanes, strict=False))
+            }
         else:
             ids = self.prefill.order(queue, now)
         by_id = {r.request_id: r for r in waiting}

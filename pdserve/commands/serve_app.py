@@ -76,6 +76,9 @@ def up(
     config: Path = typer.Option(DEFAULT_CONFIG, help="Serve YAML of the application."),
     timeout_s: float = typer.Option(300.0, "--timeout", min=1, help="Readiness wait (s)."),
     num_cpus: int = typer.Option(8, min=5, help="Logical CPUs of a Ray head started here."),
+    metrics_port: int = typer.Option(
+        8080, min=1, max=65535, help="Ray's Prometheus metrics port (pdserve_* series)."
+    ),
 ) -> None:
     """Bring the prefill/decode app up on a local Ray cluster and wait until it serves."""
     import yaml
@@ -102,6 +105,7 @@ def up(
                 f"--num-cpus={num_cpus}",
                 "--include-dashboard=false",
                 "--disable-usage-stats",
+                f"--metrics-export-port={metrics_port}",  # Prometheus scrapes pdserve_* here
             ],
             env=env,
             check=True,

@@ -1,0 +1,265 @@
+"""Traces (OpenTelemetry SDK) and metrics (Ray's metrics API, scraped as Prometheus) of the app.
+
+**Traces.** One trace per request across every hop: the ingress's ``pdserve.request`` span (a
+child of the client's W3C ``traceparent`` when it sends one) with ``pdserve.prepare``,
+``pdserve.route``, ``pdserve.prefill`` and ``pdserve.decode`` under it; each engine replica's
+``engine.prefill`` / ``engine.decode`` span is a child of the ingress's call span, its context
+carried in :attr:`deployments.protocol.EngineRequest.trace` (the W3C headers). Engine spans
+carry the policy's decision at admission (Fairway lane and rank, TWP window and slowdown) and
+vLLM's own queue and first-token times. The exporter is set by ``observability.tracing``:
+``none``, ``console``, ``otlp`` (HTTP, to ``endpoint``) or ``file`` (JSON lines, one file per
+process under ``path``; what the tests read).
+
+**Metrics.** Series named ``pdserve_*`` through ``ray.util.metrics``; Ray's metrics agent
+exports them with a ``ray_`` prefix at the cluster's metrics export port (``pdserve up`` starts
+Ray with ``--metrics-export-port=8080``: ``http://127.0.0.1:8080/metrics``). vLLM's own engine
+metrics are bridged in by its ``RayPrometheusStatLogger`` (``ray_vllm_*``). Outside a Ray
+process (unit tests) every metric is a no-op.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    ConsoleSpanExporter,
+    SimpleSpanProcessor,
+    SpanExporter,
+    SpanExportResult,
+)
+from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+_LOCK = threading.Lock()
+_TRACERS: dict[str, trace.Tracer] = {}
+
+
+class JsonLinesSpanExporter(SpanExporter):
+    """Finished spans as JSON lines in ``{path}/spans-{service}-{pid}.jsonl`` (one file per
+    process, so replicas on one machine never interleave a line)."""
+
+    def __init__(self, path: str | Path, service: str) -> None:
+        self.dir = Path(path).expanduser()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.file = self.dir / f"spans-{service}-{os.getpid()}.jsonl"
+        self._lock = threading.Lock()
+
+    def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        lines = [json.dumps(json.loads(s.to_json()), separators=(",", ":")) for s in spans]
+        with self._lock, open(self.file, "a") as f:
+            f.write("".join(line + "\n" for line in lines))
+        return SpanExportResult.SUCCESS
+
+    def shutdown(self) -> None:
+        pass
+
+
+def tracer(tracing: Mapping[str, Any] | None, service: str) -> trace.Tracer:
+    """This process's tracer for ``service`` under the config ``tracing`` (the dict of
+    ``observability.tracing``); a no-op tracer when its exporter is ``none``. Each process
+    builds its provider once (not the global one: Ray's and vLLM's own hooks keep theirs)."""
+    cfg = dict(tracing or {})
+    exporter = cfg.get("exporter", "none")
+    key = f"{service}:{exporter}"
+    with _LOCK:
+        if key in _TRACERS:
+            return _TRACERS[key]
+        if exporter == "none":
+            t: trace.Tracer = trace.NoOpTracer()
+        else:
+            provider = TracerProvider(
+                resource=Resource.create({"service.name": f"pdserve-{service}"}),
+                sampler=ParentBased(TraceIdRatioBased(float(cfg.get("sample_ratio", 1.0)))),
+            )
+            if exporter == "file":
+                provider.add_span_processor(
+                    SimpleSpanProcessor(JsonLinesSpanExporter(cfg["path"], service))
+                )
+            elif exporter == "console":
+                provider.add_span_processor(SimpleSpanProcessor(ConsoleSpanExporter()))
+            elif exporter == "otlp":
+                from opentelemetry.exporter.otlp.proto.http.trace_exporter import (
+                    OTLPSpanExporter,
+                )
+
+                endpoint = cfg.get("endpoint")
+                exp = OTLPSpanExporter(endpoint=endpoint) if endpoint else OTLPSpanExporter()
+                provider.add_span_processor(BatchSpanProcessor(exp))
+            else:
+                raise ValueError(f"observability.tracing.exporter: unknown {exporter!r}")
+            t = provider.get_tracer("pdserve")
+        _TRACERS[key] = t
+        return t
+
+
+def extract(headers: Mapping[str, str] | None) -> Context:
+    """The context a W3C ``traceparent`` (HTTP headers, or an engine request's carrier) names;
+    an empty context when there is none."""
+    return _PROPAGATOR.extract(dict(headers or {}))
+
+
+def inject(span: trace.Span) -> dict[str, str]:
+    """The W3C headers that make ``span`` the parent on the other side of a call."""
+    carrier: dict[str, str] = {}
+    _PROPAGATOR.inject(carrier, context=trace.set_span_in_context(span))
+    return carrier
+
+
+def child(t: trace.Tracer, name: str, parent: trace.Span, **attrs: Any) -> trace.Span:
+    """A span under ``parent`` (started now; the caller ends it)."""
+    span = t.start_span(name, context=trace.set_span_in_context(parent))
+    set_attrs(span, attrs)
+    return span
+
+
+def set_attrs(span: trace.Span, attrs: Mapping[str, Any]) -> None:
+    """Set ``pdserve.*`` attributes, skipping ``None`` (OpenTelemetry refuses it)."""
+    for k, v in attrs.items():
+        if v is not None:
+            span.set_attribute(k if "." in k else f"pdserve.{k}", v)
+
+
+# -- metrics -----------------------------------------------------------------------------------
+
+#: Latency buckets (seconds): from a cached prefill on a GPU to a long CPU decode.
+LATENCY_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120]
+#: Inter-token latency buckets (seconds).
+ITL_S = [0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1, 2]
+
+#: name -> (kind, description, tag keys, buckets): every series the app exports; the
+#: dashboard (``k8s/grafana/pdserve.json``) and its test read this table.
+SERIES: dict[str, tuple[str, str, tuple[str, ...], list[float] | None]] = {
+    "pdserve_requests": (
+        "counter", "Requests answered by the ingress, by tenant, endpoint and HTTP status.",
+        ("tenant", "endpoint", "status"), None,
+    ),
+    "pdserve_ttft_seconds": (
+        "histogram", "Time to the first token, at the ingress.", ("tenant",), LATENCY_S,
+    ),
+    "pdserve_itl_seconds": (
+        "histogram", "Mean inter-token latency of a request, at the ingress.", ("tenant",), ITL_S,
+    ),
+    "pdserve_e2e_seconds": (
+        "histogram", "Whole request time, at the ingress.", ("tenant",), LATENCY_S,
+    ),
+    "pdserve_ingress_overhead_seconds": (
+        "histogram", "Request time outside both engines.", (), LATENCY_S,
+    ),
+    "pdserve_prompt_tokens": ("counter", "Prompt tokens served.", ("tenant",), None),
+    "pdserve_cached_tokens": (
+        "counter", "Prompt tokens found in the prefill's prefix cache.", ("tenant",), None,
+    ),
+    "pdserve_completion_tokens": ("counter", "Tokens generated.", ("tenant",), None),
+    "pdserve_routed": (
+        "counter", "Requests routed, by role, replica and the router's reason.",
+        ("role", "replica", "reason"), None,
+    ),
+    "pdserve_routing_fallbacks": (
+        "counter", "Named routing fallbacks (index_unavailable, hotspot, ...).",
+        ("role", "fallback"), None,
+    ),
+    "pdserve_index_lookup_seconds": (
+        "histogram", "Prefix-index lookups at the ingress.", ("result",), LATENCY_S,
+    ),
+    "pdserve_engine_queue_wait_seconds": (
+        "histogram", "Time a request waited in an engine's queue (vLLM's queued -> scheduled).",
+        ("role",), LATENCY_S,
+    ),
+    "pdserve_engine_waiting": ("gauge", "Requests waiting in an engine.", ("role", "replica"), None),
+    "pdserve_engine_running": ("gauge", "Requests running in an engine.", ("role", "replica"), None),
+    "pdserve_engine_queued_uncached_tokens": (
+        "gauge", "Uncached prompt tokens queued in an engine.", ("role", "replica"), None,
+    ),
+    "pdserve_engine_kv_usage": (
+        "gauge", "Share of an engine's KV blocks in use.", ("role", "replica"), None,
+    ),
+    "pdserve_twp_window_tokens": (
+        "gauge", "The TWP gate's token window.", ("role", "replica"), None,
+    ),
+    "pdserve_twp_token_load": (
+        "gauge", "Tokens the running requests hold against the TWP window.",
+        ("role", "replica"), None,
+    ),
+    "pdserve_fairway_admissions": (
+        "counter", "Requests a Fairway scheduler admitted, by lane.", ("role", "lane"), None,
+    ),
+    "pdserve_prefix_hit_tokens": (
+        "counter", "Prompt tokens an engine found in its own prefix cache.", ("role",), None,
+    ),
+    "pdserve_external_hit_tokens": (
+        "counter", "Prompt tokens an engine loaded over NIXL.", ("role",), None,
+    ),
+    "pdserve_kv_load_failures": (
+        "counter", "Failed NIXL KV loads (the decode recomputes them).", ("role",), None,
+    ),
+}  # fmt: skip
+
+
+class _Null:
+    def inc(self, *a: Any, **k: Any) -> None:
+        pass
+
+    def observe(self, *a: Any, **k: Any) -> None:
+        pass
+
+    def set(self, *a: Any, **k: Any) -> None:
+        pass
+
+
+class Metrics:
+    """The app's series in this process (``ray.util.metrics``), or no-ops outside Ray."""
+
+    def __init__(self) -> None:
+        self._m: dict[str, Any] = {}
+        try:
+            import ray
+            from ray.util import metrics as rm
+
+            live = ray.is_initialized()
+        except Exception:  # no Ray: unit tests
+            live = False
+        for name, (kind, desc, tags, buckets) in SERIES.items():
+            if not live:
+                self._m[name] = _Null()
+            elif kind == "counter":
+                self._m[name] = rm.Counter(name, description=desc, tag_keys=tags)
+            elif kind == "gauge":
+                self._m[name] = rm.Gauge(name, description=desc, tag_keys=tags)
+            else:
+                self._m[name] = rm.Histogram(
+                    name, description=desc, boundaries=buckets or LATENCY_S, tag_keys=tags
+                )
+
+    def inc(self, name: str, value: float = 1.0, **tags: str) -> None:
+        if value:
+            self._m[name].inc(value, tags=tags or None)
+
+    def observe(self, name: str, value: float, **tags: str) -> None:
+        self._m[name].observe(value, tags=tags or None)
+
+    def set(self, name: str, value: float | None, **tags: str) -> None:
+        if value is not None:
+            self._m[name].set(float(value), tags=tags or None)
+
+
+_METRICS: Metrics | None = None
+
+
+def metrics() -> Metrics:
+    """This process's :class:`Metrics` (built on first use)."""
+    global _METRICS
+    with _LOCK:
+        if _METRICS is None:
+            _METRICS = Metrics()
+        return _METRICS

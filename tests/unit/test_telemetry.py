@@ -1,0 +1,100 @@
+"""Telemetry pieces without a cluster: spans through the file exporter with W3C propagation,
+config errors that name the field, metrics as no-ops outside Ray, the dashboard's queries
+against the declared series, and ``pdserve status``'s rendering."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from deployments.config import AppConfig
+from deployments.telemetry import SERIES, child, extract, inject, metrics, set_attrs, tracer
+
+ROOT = Path(__file__).resolve().parents[2]
+DASHBOARD = ROOT / "configs" / "grafana" / "pdserve.json"
+
+
+def spans_in(folder: Path) -> list[dict[str, Any]]:
+    return [json.loads(ln) for f in sorted(folder.glob("spans-*.jsonl")) for ln in f.open()]
+
+
+def test_spans_follow_a_client_traceparent_across_a_carrier(tmp_path: Path) -> None:
+    cfg = {"exporter": "file", "path": str(tmp_path)}
+    ingress, engine = tracer(cfg, "ut-ingress"), tracer(cfg, "ut-engine")
+    client = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    root = ingress.start_span("pdserve.request", context=extract({"traceparent": client}))
+    call = child(ingress, "pdserve.prefill", root, replica="r1", ignored=None)
+    carrier = inject(call)  # what crosses to the engine replica in EngineRequest.trace
+    assert carrier["traceparent"].split("-")[1] == "0af7651916cd43dd8448eb211c80319c"
+    remote = engine.start_span("engine.prefill", context=extract(carrier))
+    set_attrs(remote, {"admission.lane": "fast"})
+    for s in (remote, call, root):
+        s.end()
+    by_name = {s["name"]: s for s in spans_in(tmp_path)}
+    assert set(by_name) == {"pdserve.request", "pdserve.prefill", "engine.prefill"}
+    assert {s["context"]["trace_id"] for s in by_name.values()} == {
+        "0x0af7651916cd43dd8448eb211c80319c"
+    }
+    assert by_name["pdserve.request"]["parent_id"] == "0xb7ad6b7169203331"
+    assert (
+        by_name["engine.prefill"]["parent_id"] == by_name["pdserve.prefill"]["context"]["span_id"]
+    )
+    assert by_name["pdserve.prefill"]["attributes"] == {"pdserve.replica": "r1"}
+    assert by_name["engine.prefill"]["attributes"]["admission.lane"] == "fast"
+
+
+def test_the_file_exporter_needs_a_folder_named_in_the_error() -> None:
+    with pytest.raises(ValidationError, match=r"observability\.tracing\.path"):
+        AppConfig.model_validate({"observability": {"tracing": {"exporter": "file"}}})
+    with pytest.raises(ValidationError, match="exporter"):
+        AppConfig.model_validate({"observability": {"tracing": {"exporter": "zipkin"}}})
+
+
+def test_metrics_are_no_ops_outside_ray() -> None:
+    m = metrics()
+    m.inc("pdserve_requests", tenant="a", endpoint="chat", status="200")
+    m.observe("pdserve_ttft_seconds", 0.1, tenant="a")
+    m.set("pdserve_engine_waiting", None, role="prefill", replica="x")  # None: not set
+
+
+def _exported(name: str) -> str:
+    kind = SERIES[name][0]
+    return f"ray_{name}" + {"counter": "_total", "histogram": "_bucket", "gauge": ""}[kind]
+
+
+def test_every_dashboard_query_names_a_declared_series() -> None:
+    dash = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
+    used = set(re.findall(r"\bray_pdserve_[a-z0-9_]+", " ".join(exprs)))
+    exported = {_exported(n) for n in SERIES}
+    assert used and used <= exported, used - exported
+    # and the dashboard shows every series the app declares
+    assert {re.sub(r"_(total|bucket)$", "", u) for u in used} == {f"ray_{n}" for n in SERIES}
+    assert all(p["datasource"]["uid"] == "${datasource}" for p in dash["panels"])
+
+
+def test_status_renders_a_stats_body() -> None:
+    from rich.console import Console
+
+    from pdserve.commands.status import render
+
+    body = {
+        "replicas": {
+            "prefill": [{"id": "p-1", "routed": 3, "waiting": 1, "kv_usage": 0.25}],
+            "decode": [{"id": "d-1", "routed": 3, "window_tokens": 4096, "token_load": 100}],
+        },
+        "totals": {"prefill": {"prompt_tokens": 400, "cached_tokens": 100}},
+        "router": {"policy": "prefix_load", "fallbacks": {"hotspot": 2}},
+        "index": {"backend": "memory", "lookups": 3},
+        "ingress": {"requests": 3, "refused": 0, "overhead_s": {"p50": 0.004, "p99": 0.02}},
+    }
+    con = Console(record=True, width=160)
+    con.print(render(body))
+    text = con.export_text()
+    for want in ("p-1", "d-1", "25%", "4,096", "hotspot=2", "25.0%", "prefix_load"):
+        assert want in text, want
