@@ -486,7 +486,9 @@ class IngressCore:
             self.refused += 1
             span.end()
             self._finish_span(root, e.status, e.message)
-            self.metrics.inc("pdserve_requests", tenant="", endpoint=endpoint, status=str(e.status))
+            self.metrics.inc(
+                "pdserve_requests", tenant="-", endpoint=endpoint, status=str(e.status)
+            )
             return _error(e)
         span.end()
         prep.span = root

@@ -96,7 +96,10 @@ def up(
             _ensure_local_redis(cfg.index.redis_url, _redis_dir())
     env = _env()
     if not _ray_running(env):
-        typer.echo("pdserve: starting a local Ray head")
+        metrics_port = _port_or_free(metrics_port)
+        typer.echo(
+            f"pdserve: starting a local Ray head (metrics: http://127.0.0.1:{metrics_port}/metrics)"
+        )
         subprocess.run(
             [
                 _bin("ray"),
@@ -118,6 +121,24 @@ def up(
     url = _http_url(raw)
     health = _wait_health(url, timeout_s)
     typer.echo(f"pdserve: ready at {url}  {health}")
+
+
+def _port_or_free(port: int) -> int:
+    """``port`` when nothing listens there, else a free one (said), so a busy 8080 does not
+    stop the app from coming up."""
+    import socket
+
+    with socket.socket() as sock:
+        try:
+            sock.bind(("", port))
+            return port
+        except OSError:
+            pass
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        free = int(sock.getsockname()[1])
+    typer.echo(f"pdserve: port {port} is taken; Ray's metrics go to port {free}")
+    return free
 
 
 def _ensure_local_redis(url: str, workdir: Path) -> None:
