@@ -272,13 +272,15 @@ def _refusal(e: Exception) -> Exception:
 
 
 def _pop_admission(admissions: dict[str, Any] | None, rid: str) -> dict[str, Any] | None:
-    """The scheduler's admission record of request ``rid`` (vLLM may add a suffix to the
-    id it schedules under), removed."""
+    """The scheduler's admission record of request ``rid``, removed. vLLM schedules a request
+    under ``{rid}-{8 random characters}`` (``InputProcessor.assign_request_id``): exactly that
+    suffix, so ``rid``'s record is never its sibling ``{rid}-1``'s."""
     if not admissions:
         return None
     if rid in admissions:
         return dict(admissions.pop(rid))
-    key = next((k for k in list(admissions) if k.startswith(rid + "-")), None)
+    n = len(rid) + 9
+    key = next((k for k in list(admissions) if len(k) == n and k.startswith(rid + "-")), None)
     return dict(admissions.pop(key)) if key is not None else None
 
 

@@ -98,3 +98,12 @@ def test_status_renders_a_stats_body() -> None:
     text = con.export_text()
     for want in ("p-1", "d-1", "25%", "4,096", "hotspot=2", "25.0%", "prefix_load"):
         assert want in text, want
+
+
+def test_admission_records_are_found_under_vllms_internal_ids() -> None:
+    from deployments.engine import _pop_admission
+
+    adm = {"decode-r-1-abcdefgh": {"lane": None}, "decode-r-zyxwvuts": {"lane": "fast"}}
+    assert _pop_admission(adm, "decode-r") == {"lane": "fast"}  # not its sibling -1's
+    assert _pop_admission(adm, "decode-r-1") == {"lane": None}
+    assert adm == {} and _pop_admission(adm, "decode-r") is None
