@@ -33,6 +33,8 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from opentelemetry import trace
+
 from deployments.config import AppConfig, ReplicaPorts, Role, engine_launch, replica_ports
 from deployments.protocol import (
     PREFILL_KV_PARAMS,
@@ -269,6 +271,13 @@ def _refusal(e: Exception) -> Exception:
     if isinstance(e, (ValueError, TypeError, VLLMClientError)):
         return EngineRefused(str(e).strip()[:500], getattr(e, "parameter", None))
     return e
+
+
+#: What an engine's waiting phase (vLLM's queued -> first scheduled) holds, per role.
+_WAIT_INCLUDES = {
+    "prefill": "the prefill queue (Fairway's order)",
+    "decode": "TWP's admission wait, then the KV pull over NIXL",
+}
 
 
 def _pop_admission(admissions: dict[str, Any] | None, rid: str) -> dict[str, Any] | None:
@@ -679,6 +688,19 @@ class EngineReplica:
             }
             | {f"admission.{k}": v for k, v in (adm or {}).items()},
         )
+        # vLLM's timestamps are monotonic seconds: its waiting and first-token phases as
+        # child spans on the wall clock
+        to_ns = time.time_ns() - time.monotonic_ns()
+        ctx = trace.set_span_in_context(span)
+        phases = (
+            ("engine.wait", queued, scheduled, _WAIT_INCLUDES[self.role]),
+            ("engine.first_token", scheduled, first, "compute up to the first output token"),
+        )
+        for name, a, b, what in phases:
+            if a and b and b >= a:
+                ph = self.tracer.start_span(name, context=ctx, start_time=int(a * 1e9) + to_ns)
+                ph.set_attribute("pdserve.includes", what)
+                ph.end(end_time=int(b * 1e9) + to_ns)
         span.end()
 
     # -- health and reports --------------------------------------------------------------
@@ -712,6 +734,9 @@ class EngineReplica:
             ("pdserve_twp_token_load", "token_load"),
         ):
             self.metrics.set(series, load.get(key), **tags)
+        gate = getattr(self.engine.scheduler, "gate", None)
+        if gate is not None:  # TWP's measured slowdown (sigma), read between steps
+            self.metrics.set("pdserve_twp_slowdown", float(gate.state.sigma), **tags)
         return {
             **self.engine.load,
             "role": self.role,

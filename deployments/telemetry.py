@@ -37,6 +37,7 @@ from opentelemetry.sdk.trace.export import (
     SpanExporter,
     SpanExportResult,
 )
+from opentelemetry.sdk.trace.id_generator import IdGenerator
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
@@ -65,6 +66,24 @@ class JsonLinesSpanExporter(SpanExporter):
         pass
 
 
+class UrandomIdGenerator(IdGenerator):
+    """Trace and span ids from ``os.urandom``. OpenTelemetry's default draws them from
+    Python's ``random``, which vLLM seeds identically in every engine process (the model's
+    seed), so two replicas would mint the same span ids, and new traces the same trace ids."""
+
+    def generate_span_id(self) -> int:
+        while True:
+            v = int.from_bytes(os.urandom(8), "big")
+            if v != trace.INVALID_SPAN_ID:
+                return v
+
+    def generate_trace_id(self) -> int:
+        while True:
+            v = int.from_bytes(os.urandom(16), "big")
+            if v != trace.INVALID_TRACE_ID:
+                return v
+
+
 def tracer(tracing: Mapping[str, Any] | None, service: str) -> trace.Tracer:
     """This process's tracer for ``service`` under the config ``tracing`` (the dict of
     ``observability.tracing``); a no-op tracer when its exporter is ``none``. Each process
@@ -81,6 +100,7 @@ def tracer(tracing: Mapping[str, Any] | None, service: str) -> trace.Tracer:
             provider = TracerProvider(
                 resource=Resource.create({"service.name": f"pdserve-{service}"}),
                 sampler=ParentBased(TraceIdRatioBased(float(cfg.get("sample_ratio", 1.0)))),
+                id_generator=UrandomIdGenerator(),
             )
             if exporter == "file":
                 provider.add_span_processor(
@@ -189,6 +209,10 @@ SERIES: dict[str, tuple[str, str, tuple[str, ...], list[float] | None]] = {
     ),
     "pdserve_twp_token_load": (
         "gauge", "Tokens the running requests hold against the TWP window.",
+        ("role", "replica"), None,
+    ),
+    "pdserve_twp_slowdown": (
+        "gauge", "The TWP gate's measured slowdown (ITL over the profile's l_min).",
         ("role", "replica"), None,
     ),
     "pdserve_fairway_admissions": (

@@ -113,6 +113,18 @@ def test_one_trace_across_every_hop_under_the_clients_traceparent(
     assert ed["pdserve.kv_transfer"] is True and ep["pdserve.queue_wait_s"] >= 0
     events = [e["name"] for e in by["pdserve.decode"]["events"]]
     assert events == ["first_token"]
+    # vLLM's own phases under each engine span: waiting (queue; TWP admission + KV pull),
+    # then compute up to the first token, in that order
+    for eng in ("engine.prefill", "engine.decode"):
+        kids = sorted(
+            (s for s in spans if s["parent_id"] == by[eng]["context"]["span_id"]),
+            key=lambda s: s["start_time"],
+        )
+        assert [k["name"] for k in kids] == ["engine.wait", "engine.first_token"], eng
+        assert (
+            kids[0]["end_time"] <= kids[1]["start_time"]
+            or kids[0]["end_time"] == kids[1]["start_time"]
+        )
 
 
 def test_a_request_without_traceparent_starts_its_own_trace(traced_app: dict[str, Any]) -> None:
@@ -154,6 +166,7 @@ def test_metrics_endpoint_exposes_the_series_with_sane_values(
         "ray_pdserve_routed_total", "ray_pdserve_index_lookup_seconds_count",
         "ray_pdserve_engine_queue_wait_seconds_count", "ray_pdserve_engine_waiting",
         "ray_pdserve_engine_kv_usage", "ray_pdserve_twp_window_tokens",
+        "ray_pdserve_twp_slowdown",
         "ray_pdserve_fairway_admissions_total", "ray_pdserve_prefix_hit_tokens_total",
         "ray_pdserve_external_hit_tokens_total",
     }  # fmt: skip

@@ -107,3 +107,17 @@ def test_admission_records_are_found_under_vllms_internal_ids() -> None:
     assert _pop_admission(adm, "decode-r") == {"lane": "fast"}  # not its sibling -1's
     assert _pop_admission(adm, "decode-r-1") == {"lane": None}
     assert adm == {} and _pop_admission(adm, "decode-r") is None
+
+
+def test_span_ids_do_not_follow_pythons_seeded_random(tmp_path: Path) -> None:
+    """vLLM seeds ``random`` alike in every engine process: ids must not come from it."""
+    import random
+
+    t = tracer({"exporter": "file", "path": str(tmp_path)}, "ut-seeded")
+    ids = []
+    for _ in range(2):
+        random.seed(0)  # as two engine processes would be
+        span = t.start_span("x")
+        ids.append((span.get_span_context().trace_id, span.get_span_context().span_id))
+        span.end()
+    assert ids[0][0] != ids[1][0] and ids[0][1] != ids[1][1]
