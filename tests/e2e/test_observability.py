@@ -121,10 +121,7 @@ def test_one_trace_across_every_hop_under_the_clients_traceparent(
             key=lambda s: s["start_time"],
         )
         assert [k["name"] for k in kids] == ["engine.wait", "engine.first_token"], eng
-        assert (
-            kids[0]["end_time"] <= kids[1]["start_time"]
-            or kids[0]["end_time"] == kids[1]["start_time"]
-        )
+        assert kids[0]["end_time"] <= kids[1]["start_time"]  # both at vLLM's scheduled_ts
 
 
 def test_a_request_without_traceparent_starts_its_own_trace(traced_app: dict[str, Any]) -> None:
