@@ -1,7 +1,8 @@
 """``pdserve status``: a terminal view of a running app, read from its ``/v1/pdserve/stats``.
 
-Per role, each replica (Serve's replica id) with its queue (waiting, running, uncached prompt
-tokens), KV usage, TWP window and load (decode), cache hits and the requests routed to it;
+Per role, each replica (Serve's replica id) with the requests routed to it, its queue (waiting,
+running, uncached prompt tokens), KV usage, TWP window and load (decode), prompt and cached
+tokens and NIXL hits;
 then the routers' named fallbacks, the index and the ingress's overhead. ``--watch`` redraws
 it every ``--every`` seconds (rich's live display).
 """
@@ -38,17 +39,24 @@ def _num(v: Any, fmt: str = "{:,.0f}") -> str:
 
 def render(stats: dict[str, Any]) -> Any:
     """A rich renderable of one stats body (pure: tested without a running app)."""
+    from rich import box
     from rich.console import Group
     from rich.table import Table
 
     parts: list[Any] = []
     for role in ("prefill", "decode"):
-        t = Table(title=f"{role} replicas", title_justify="left", expand=True)
+        t = Table(
+            title=f"{role} replicas",
+            title_justify="left",
+            box=box.SIMPLE_HEAD,
+            collapse_padding=True,
+            pad_edge=False,
+        )
         for col in (
-            "replica", "routed", "waiting", "running", "uncached queued", "KV used",
-            "TWP window", "TWP load", "prompt tok", "cached tok", "NIXL hits",
+            "replica", "routed", "wait", "run", "uncached", "KV",
+            "window", "load", "prompt", "cached", "NIXL",
         ):  # fmt: skip
-            t.add_column(col, justify="left" if col == "replica" else "right")
+            t.add_column(col, justify="left" if col == "replica" else "right", no_wrap=True)
         for r in stats.get("replicas", {}).get(role, []):
             t.add_row(
                 str(r.get("id", "?")),
@@ -66,7 +74,7 @@ def render(stats: dict[str, Any]) -> Any:
         parts.append(t)
     router = stats.get("router", {})
     fb = router.get("fallbacks", {}) or {}
-    s = Table(title="routing, index, ingress", title_justify="left", expand=True)
+    s = Table(title="routing, index, ingress", title_justify="left")
     s.add_column("what")
     s.add_column("value", justify="right")
     s.add_row("policy", str(router.get("policy")))
