@@ -44,7 +44,7 @@ from deployments.protocol import (
     Sampling,
     TokenLogprob,
 )
-from deployments.telemetry import extract, metrics, set_attrs, tracer
+from deployments.telemetry import CounterPublisher, extract, metrics, set_attrs, tracer
 from engines.launch import EngineLaunch, start_engine
 from engines.runtime import load_report
 
@@ -396,6 +396,8 @@ class EngineReplica:
         self.counters = EngineCounters()
         self.metrics = metrics()
         self.tracer = tracer(self.cfg.observability.tracing.model_dump(), role)
+        self._twp_events = CounterPublisher("pdserve_twp_events")
+        self._feed_events = CounterPublisher("pdserve_index_feed_events")
         self.engine = InProcessEngine(
             engine_launch(self.cfg, role, self.ports),
             [make_counter_logger(self.counters, role), *_vllm_metrics_loggers()],
@@ -735,8 +737,13 @@ class EngineReplica:
         ):
             self.metrics.set(series, load.get(key), **tags)
         gate = getattr(self.engine.scheduler, "gate", None)
-        if gate is not None:  # TWP's measured slowdown (sigma), read between steps
+        if gate is not None:  # TWP's measured slowdown (sigma) and counted decisions
             self.metrics.set("pdserve_twp_slowdown", float(gate.state.sigma), **tags)
+            self._twp_events.publish(gate.state.counters, **tags)
+        if self.feed is not None:  # the Redis index's feed of this replica's own events
+            for rid, rf in list(self.feed.replicas.items()):
+                self._feed_events.publish(rf.stats, replica=rid)
+                self._feed_events.publish(rf.tracker.stats, replica=rid)
         return {
             **self.engine.load,
             "role": self.role,

@@ -75,7 +75,15 @@ from deployments.protocol import (
     TokenLogprob,
 )
 from deployments.router_registry import directory, router_stats
-from deployments.telemetry import child, extract, inject, metrics, set_attrs, tracer
+from deployments.telemetry import (
+    CounterPublisher,
+    child,
+    extract,
+    inject,
+    metrics,
+    set_attrs,
+    tracer,
+)
 
 log = logging.getLogger(__name__)
 
@@ -316,6 +324,7 @@ class IngressCore:
         self.model_name = self.cfg.model.served_name
         self.tracer = tracer(self.cfg.observability.tracing.model_dump(), "ingress")
         self.metrics = metrics()
+        self._feed_events = CounterPublisher("pdserve_index_feed_events")
         self.index = IndexView(self.cfg, app_name)
         self.directories = {
             "prefill": directory(app_name, "prefill"),
@@ -344,6 +353,11 @@ class IngressCore:
     async def _sync_loop(self, period_s: float = 0.2) -> None:
         while True:
             await self.sync_index()
+            feed = self.index.feed  # memory backend: this ingress follows the replicas' events
+            if feed is not None:
+                for rid, rf in list(feed.replicas.items()):
+                    self._feed_events.publish(rf.stats, replica=rid)
+                    self._feed_events.publish(rf.tracker.stats, replica=rid)
             await asyncio.sleep(period_s)  # a polling period, not a synchronisation
 
     async def sync_index(self) -> None:

@@ -218,6 +218,14 @@ SERIES: dict[str, tuple[str, str, tuple[str, ...], list[float] | None]] = {
     "pdserve_fairway_admissions": (
         "counter", "Requests a Fairway scheduler admitted, by lane.", ("role", "lane"), None,
     ),
+    "pdserve_twp_events": (
+        "counter", "TWP's counted decisions (admitted, force_admitted, closed_by_window, ...).",
+        ("role", "replica", "event"), None,
+    ),
+    "pdserve_index_feed_events": (
+        "counter", "Events of the KV-event feed and tracker of each followed prefill replica "
+        "(connects, resyncs, replays, block_events, gaps, ...).", ("replica", "event"), None,
+    ),
     "pdserve_prefix_hit_tokens": (
         "counter", "Prompt tokens an engine found in its own prefix cache.", ("role",), None,
     ),
@@ -287,3 +295,27 @@ def metrics() -> Metrics:
         if _METRICS is None:
             _METRICS = Metrics()
         return _METRICS
+
+
+class CounterPublisher:
+    """Publishes the increases of cumulative counter dataclasses (``FeedStats``,
+    ``TrackerStats``, ``TWPCounters``: the counters the components keep for
+    ``/v1/pdserve/stats``) as one metric, a field per ``event`` tag, so both read one source."""
+
+    def __init__(self, series: str) -> None:
+        self.series = series
+        self.last: dict[tuple[Any, ...], int] = {}
+
+    def publish(self, counters: Any, **tags: str) -> None:
+        import dataclasses
+
+        key0 = tuple(sorted(tags.items()))
+        for f in dataclasses.fields(counters):
+            v = getattr(counters, f.name)
+            if not isinstance(v, int) or isinstance(v, bool):
+                continue
+            key = (key0, f.name)
+            d = v - self.last.get(key, 0)
+            if d > 0:
+                metrics().inc(self.series, d, event=f.name, **tags)
+            self.last[key] = v

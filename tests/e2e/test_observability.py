@@ -163,7 +163,8 @@ def test_metrics_endpoint_exposes_the_series_with_sane_values(
         "ray_pdserve_routed_total", "ray_pdserve_index_lookup_seconds_count",
         "ray_pdserve_engine_queue_wait_seconds_count", "ray_pdserve_engine_waiting",
         "ray_pdserve_engine_kv_usage", "ray_pdserve_twp_window_tokens",
-        "ray_pdserve_twp_slowdown",
+        "ray_pdserve_twp_slowdown", "ray_pdserve_twp_events_total",
+        "ray_pdserve_index_feed_events_total",
         "ray_pdserve_fairway_admissions_total", "ray_pdserve_prefix_hit_tokens_total",
         "ray_pdserve_external_hit_tokens_total",
     }  # fmt: skip

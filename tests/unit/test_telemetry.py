@@ -121,3 +121,26 @@ def test_span_ids_do_not_follow_pythons_seeded_random(tmp_path: Path) -> None:
         ids.append((span.get_span_context().trace_id, span.get_span_context().span_id))
         span.end()
     assert ids[0][0] != ids[1][0] and ids[0][1] != ids[1][1]
+
+
+def test_counter_publisher_sends_each_fields_increase_once(monkeypatch: Any) -> None:
+    from controllers.decode.twp import TWPCounters
+    from deployments import telemetry
+
+    sent: list[tuple[str, float, dict[str, str]]] = []
+
+    class Recorder:
+        def inc(self, name: str, value: float = 1.0, **tags: str) -> None:
+            sent.append((name, value, tags))
+
+    monkeypatch.setattr(telemetry, "_METRICS", Recorder())
+    pub = telemetry.CounterPublisher("pdserve_twp_events")
+    pub.publish(TWPCounters(admitted=3, closed_by_window=1), replica="d1")
+    pub.publish(TWPCounters(admitted=5, closed_by_window=1), replica="d1")
+    pub.publish(TWPCounters(admitted=1), replica="d2")  # another replica counts apart
+    assert sent == [
+        ("pdserve_twp_events", 3, {"event": "admitted", "replica": "d1"}),
+        ("pdserve_twp_events", 1, {"event": "closed_by_window", "replica": "d1"}),
+        ("pdserve_twp_events", 2, {"event": "admitted", "replica": "d1"}),
+        ("pdserve_twp_events", 1, {"event": "admitted", "replica": "d2"}),
+    ]
