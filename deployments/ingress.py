@@ -669,14 +669,7 @@ class IngressCore:
     async def run_prefill(self, prep: Prepared, hint: RouteHint) -> EngineChunk:
         """One output token on the routed prefill replica; 502/504 as :class:`RequestError`."""
         span = child(self.tracer, "pdserve.prefill", prep.span)
-        req = EngineRequest(
-            prep.engine_rid,
-            prep.ids,
-            prep.sampling,
-            cache_salt=prep.salt,
-            route=hint,
-            trace=inject(span),
-        )
+        req = _engine_request(prep, span, route=hint)
         t = time.monotonic()
         call = self.prefill.prefill.remote(req)
         try:
@@ -704,14 +697,11 @@ class IngressCore:
         deadline (``engine_timeout_s`` from the first chunk request) raise
         :class:`RequestError` (502/504); the stream is cancelled on the way out."""
         span = child(self.tracer, "pdserve.decode", prep.span)
-        dreq = EngineRequest(
-            prep.engine_rid,
-            prep.ids,
-            prep.sampling,
-            cache_salt=prep.salt,
+        dreq = _engine_request(
+            prep,
+            span,
             kv_transfer_params=pre.kv_transfer_params,
             route=RouteHint(len(prep.ids), None, prep.sampling.max_tokens * prep.sampling.n),
-            trace=inject(span),
         )
         n_out = 0
         t = time.monotonic()
@@ -967,6 +957,13 @@ class IngressCore:
         if status >= 400:
             span.set_status(Status(StatusCode.ERROR, message))
         span.end()
+
+
+def _engine_request(prep: Prepared, span: Any, **kw: Any) -> EngineRequest:
+    """The engine call of ``prep`` under ``span`` (its W3C context travels with it)."""
+    return EngineRequest(
+        prep.engine_rid, prep.ids, prep.sampling, cache_salt=prep.salt, trace=inject(span), **kw
+    )
 
 
 def _endpoint(prep: Prepared) -> str:
