@@ -14,7 +14,10 @@ One request goes through named phases (:class:`IngressCore`):
 4. ``decode``: one chunk generator over the decode replica's stream (the decode router picks
    the replica by TWP headroom), shared by both response forms;
 5. ``respond``: SSE ending in ``data: [DONE]``, or one JSON body (the ``openai`` package's
-   types).
+   types, laid out as vLLM's server lays them out: ``n`` choices, logprobs, echo).
+
+Each phase is a span of the request's trace, and each request feeds the ``pdserve_*`` metrics
+(:mod:`deployments.telemetry`). ``/tokenize`` and ``/detokenize`` are vLLM's routes.
 
 ``/health`` is readiness: 200 only when both roles have a replica that served a probe request;
 ``/v1/models`` lists the model. ``/v1/pdserve/stats`` reports every engine replica (its id, the
