@@ -34,7 +34,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +60,7 @@ from deployments.openai_api import (
     completion_body,
     completion_logprobs,
     include_usage,
+    is_batch,
     new_id,
     prompt_logprobs_json,
     refuse_unsupported,
@@ -273,8 +274,11 @@ class Prepared:
     last_chunk_at: float | None = None
     #: when the decode's first chunk arrived (monotonic): the ingress's time to first token
     first_chunk_at: float | None = None
-    #: the request's root span (``pdserve.request``), ended with the response
+    #: the request's root span (``pdserve.request``), ended with the response (by the first
+    #: prompt of a batch only)
     span: Any = None
+    #: the span its phase spans go under (the root; a batch's prompts share it)
+    parent: Any = None
 
 
 #: Statistics of the directory reports shown per replica in ``/v1/pdserve/stats``.
@@ -490,6 +494,8 @@ class IngressCore:
 
         A stream's response starts once the decode's first chunk is in, so a refusal or a
         failure before any token is an HTTP status, not an error event inside a 200."""
+        if isinstance(body, CompletionRequest) and is_batch(body.prompt):
+            return await self.complete_batch(request, body)
         self._ensure_started()
         endpoint = "chat" if isinstance(body, ChatCompletionRequest) else "completions"
         root = self.tracer.start_span(
@@ -508,7 +514,7 @@ class IngressCore:
             )
             return _error(e)
         span.end()
-        prep.span = root
+        prep.span = prep.parent = root
         set_attrs(
             root,
             {
@@ -535,17 +541,72 @@ class IngressCore:
             pre = await self.run_prefill(prep, hint)
         except RequestError as e:
             return self._failed(prep, e)
-        chunks = _nothing() if prep.echo_only else self.decode_chunks(prep, pre)
-        if prep.stream:
+        return await self._respond([(prep, pre)])
+
+    async def _respond(self, parts: list[tuple[Prepared, EngineChunk]]) -> Any:
+        """Decode every part (one prompt each) and answer, streamed or as one body."""
+        prep0 = parts[0][0]
+        n = prep0.sampling.n
+        streams = [
+            _offset(_nothing() if prep.echo_only else self.decode_chunks(prep, pre), k * n)
+            for k, (prep, pre) in enumerate(parts)
+        ]
+        chunks = streams[0] if len(streams) == 1 else _merge([_own(s) for s in streams])
+        if prep0.stream:
             try:
                 first = await anext(chunks, None)
             except RequestError as e:
-                return self._failed(prep, e)
+                return self._failed(prep0, e)
             return StreamingResponse(
-                self.respond_sse(prep, pre, _prepend(first, chunks)),
+                self.respond_sse(parts, _prepend(first, chunks)),
                 media_type="text/event-stream",
             )
-        return await self.respond_json(prep, pre, chunks)
+        return await self.respond_json(parts, chunks)
+
+    async def complete_batch(self, request: Request, body: CompletionRequest) -> Any:
+        """A completions request with several prompts (vLLM accepts them): each prompt is
+        prepared, routed (to the prefill replica that holds *its* prefix), prefilled and
+        decoded on its own, concurrently; prompt ``k``'s choices are ``k*n .. k*n+n-1``, as
+        vLLM numbers them; usage sums the prompts. One trace covers the batch."""
+        self._ensure_started()
+        root = self.tracer.start_span(
+            "pdserve.request", context=extract(request.headers), kind=SpanKind.SERVER
+        )
+        prompts = list(body.prompt or [])
+        set_attrs(root, {"endpoint": "completions", "batch": len(prompts)})
+        try:
+            preps = [
+                await self.prepare(request, body.model_copy(update={"prompt": p})) for p in prompts
+            ]
+        except RequestError as e:
+            self.refused += 1
+            self._finish_span(root, e.status, e.message)
+            self.metrics.inc(
+                "pdserve_requests", tenant="-", endpoint="completions", status=str(e.status)
+            )
+            return _error(e)
+        self.requests += len(preps)
+        for prep in preps:
+            prep.rid = preps[0].rid  # one response id; the engines' ids stay apart
+        preps[0].span = root  # ended once, by the first prompt
+        for prep in preps:
+            prep.parent = root  # every prompt's engine calls are children of the root
+        hints = [await self.route(prep) for prep in preps]
+
+        async def prefill(prep: Prepared, hint: RouteHint) -> EngineChunk:
+            _own_serve_request_id()  # this task's calls: this prompt's own request id
+            return await self.run_prefill(prep, hint)
+
+        got = await asyncio.gather(
+            *(prefill(prep, h) for prep, h in zip(preps, hints, strict=True)),
+            return_exceptions=True,
+        )
+        bad = next((g for g in got if isinstance(g, BaseException)), None)
+        if bad is not None:
+            if isinstance(bad, RequestError):
+                return self._failed(preps[0], bad)
+            raise bad
+        return await self._respond(list(zip(preps, got, strict=True)))  # type: ignore[arg-type]
 
     async def tokenize(
         self, request: Request, body: TokenizeCompletionRequest | TokenizeChatRequest
@@ -671,7 +732,7 @@ class IngressCore:
 
     async def run_prefill(self, prep: Prepared, hint: RouteHint) -> EngineChunk:
         """One output token on the routed prefill replica; 502/504 as :class:`RequestError`."""
-        span = child(self.tracer, "pdserve.prefill", prep.span)
+        span = child(self.tracer, "pdserve.prefill", prep.parent)
         req = _engine_request(prep, span, route=hint)
         t = time.monotonic()
         call = self.prefill.prefill.remote(req)
@@ -699,7 +760,7 @@ class IngressCore:
         """The decode replica's chunks, for both response forms. Engine failures and the
         deadline (``engine_timeout_s`` from the first chunk request) raise
         :class:`RequestError` (502/504); the stream is cancelled on the way out."""
-        span = child(self.tracer, "pdserve.decode", prep.span)
+        span = child(self.tracer, "pdserve.decode", prep.parent)
         dreq = _engine_request(
             prep,
             span,
@@ -777,21 +838,23 @@ class IngressCore:
         state.setdefault(ch.index, 0)
         return delta
 
-    def _echo_chunk(self, prep: Prepared, pre: EngineChunk) -> EngineChunk:
-        """The response of an ``echo`` with ``max_tokens`` 0: the prompt, nothing decoded."""
-        return EngineChunk("", (), "length", len(prep.ids), pre.num_cached_tokens, 0.0)
-
     async def respond_json(
-        self, prep: Prepared, pre: EngineChunk, chunks: AsyncIterator[EngineChunk]
+        self, parts: list[tuple[Prepared, EngineChunk]], chunks: AsyncIterator[EngineChunk]
     ) -> JSONResponse:
+        """One JSON body over every part's choices: part ``k`` (one prompt of a batch; one
+        part unless the request sent several prompts) owns choices ``k*n .. k*n+n-1``."""
+        prep0 = parts[0][0]
+        n = prep0.sampling.n
         choices: dict[int, ChoiceOut] = {}
         state: dict[int, Any] = {}
-        n_out = 0
-        last: EngineChunk | None = None
+        n_out = [0] * len(parts)
+        last: list[EngineChunk | None] = [None] * len(parts)
         try:
-            async for ch in chunks:
-                n_out += len(ch.token_ids)
-                last = ch
+            async for ch in _with_echo_only(parts, chunks):
+                k = ch.index // n
+                prep, pre = parts[k]
+                n_out[k] += len(ch.token_ids)
+                last[k] = ch
                 d = self._delta(prep, pre, ch, state)
                 c = choices.setdefault(ch.index, ChoiceOut(index=ch.index))
                 c.text += d.text
@@ -800,74 +863,80 @@ class IngressCore:
                 c.stop_reason = d.stop_reason if d.finish_reason else c.stop_reason
                 c.logprobs = _merge_logprobs(c.logprobs, d.logprobs)
         except RequestError as e:
-            return self._failed(prep, e)
-        if prep.echo_only:
-            d = self._delta(prep, pre, self._echo_chunk(prep, pre), state)
-            choices[0] = d
-        total_s, engine_s = self._record(prep, pre, last, n_out)
-        extra = dict(prep.extra)
-        if pre.prompt_logprobs is not None:
-            plp = prompt_logprobs_json(pre.prompt_logprobs)
-            if prep.chat:
-                extra["prompt_logprobs"] = plp
-            else:
-                for c in choices.values():
-                    c.prompt_logprobs = plp
-        if not prep.chat and "prompt_token_ids" in extra:
-            ptids = extra.pop("prompt_token_ids")
-        else:
-            ptids = None
+            return self._failed(prep0, e)
+        records = self._record_all(parts, last, n_out, 200)
+        total_s, engine_s = records[0]
+        extra = dict(prep0.extra)
+        extra.pop("prompt_token_ids", None)
+        for i, c in choices.items():
+            prep, pre = parts[i // n]
+            if pre.prompt_logprobs is not None and not prep.chat:
+                c.prompt_logprobs = prompt_logprobs_json(pre.prompt_logprobs)
+        if prep0.chat and parts[0][1].prompt_logprobs is not None:
+            extra["prompt_logprobs"] = prompt_logprobs_json(parts[0][1].prompt_logprobs)
+        if prep0.chat and "prompt_token_ids" in prep0.extra:
+            extra["prompt_token_ids"] = prep0.extra["prompt_token_ids"]
         out = completion_body(
-            prep.rid,
+            prep0.rid,
             self.model_name,
             [choices[i] for i in sorted(choices)],
-            usage(len(prep.ids), n_out, pre.num_cached_tokens),
-            prep.chat,
-            token_ids=prep.token_ids,
+            usage(
+                sum(len(p.ids) for p, _ in parts),
+                sum(n_out),
+                sum(pre.num_cached_tokens for _, pre in parts),
+            ),
+            prep0.chat,
+            token_ids=prep0.token_ids,
             extra=extra,
         )
-        if ptids is not None:
+        if not prep0.chat and "prompt_token_ids" in prep0.extra:
             for c in out["choices"]:
-                c["prompt_token_ids"] = ptids
+                c["prompt_token_ids"] = parts[c["index"] // n][0].extra["prompt_token_ids"]
         out["pdserve"] = {
             "ingress_replica": self.replica_id,
-            "prefill_replica": pre.replica_id,
-            "decode_replica": last.replica_id if last else None,
+            "prefill_replica": parts[0][1].replica_id,
+            "decode_replica": last[0].replica_id if last[0] else None,
             "engine_s": engine_s,
             "ingress_s": total_s,
         }
+        if len(parts) > 1:  # a batch: every prompt's replicas
+            out["pdserve"]["prefill_replicas"] = [pre.replica_id for _, pre in parts]
+            out["pdserve"]["decode_replicas"] = [x.replica_id if x else None for x in last]
         return JSONResponse(out)
 
     async def respond_sse(
-        self, prep: Prepared, pre: EngineChunk, chunks: AsyncIterator[EngineChunk]
+        self, parts: list[tuple[Prepared, EngineChunk]], chunks: AsyncIterator[EngineChunk]
     ) -> AsyncIterator[str]:
         """The SSE lines of a streamed response (its trace ends even when the client goes)."""
+        prep0 = parts[0][0]
         try:
-            async for line in self._sse(prep, pre, chunks):
+            async for line in self._sse(parts, chunks):
                 yield line
         finally:
-            if prep.span is not None:  # the client went away mid-stream
-                self._finish_span(prep.span, 499, "client disconnected")
-                prep.span = None
+            if prep0.span is not None:  # the client went away mid-stream
+                self._finish_span(prep0.span, 499, "client disconnected")
+                prep0.span = None
 
     async def _sse(
-        self, prep: Prepared, pre: EngineChunk, chunks: AsyncIterator[EngineChunk]
+        self, parts: list[tuple[Prepared, EngineChunk]], chunks: AsyncIterator[EngineChunk]
     ) -> AsyncIterator[str]:
         created = int(time.time())
         m = self.model_name
+        prep0 = parts[0][0]
+        n = prep0.sampling.n
 
         def sse(obj: dict[str, Any]) -> str:
             return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
-        n_out = 0
-        last: EngineChunk | None = None
+        n_out = [0] * len(parts)
+        last: list[EngineChunk | None] = [None] * len(parts)
         state: dict[int, Any] = {}
         try:
-            if prep.echo_only:
-                chunks = _prepend(self._echo_chunk(prep, pre), chunks)
-            async for ch in chunks:
-                n_out += len(ch.token_ids)
-                last = ch
+            async for ch in _with_echo_only(parts, chunks):
+                k = ch.index // n
+                prep, pre = parts[k]
+                n_out[k] += len(ch.token_ids)
+                last[k] = ch
                 first = ch.index not in state
                 d = self._delta(prep, pre, ch, state)
                 if d.text or d.finish_reason or first or d.logprobs:
@@ -888,11 +957,30 @@ class IngressCore:
             status = e.status
         else:
             status = 200
-        if prep.with_usage:
-            use = usage(pre.num_prompt_tokens, n_out, pre.num_cached_tokens)
-            yield sse(stream_chunk(prep.rid, m, created, chat=prep.chat, use=use))
+        if prep0.with_usage:
+            use = usage(
+                sum(pre.num_prompt_tokens for _, pre in parts),
+                sum(n_out),
+                sum(pre.num_cached_tokens for _, pre in parts),
+            )
+            yield sse(stream_chunk(prep0.rid, m, created, chat=prep0.chat, use=use))
         yield "data: [DONE]\n\n"
-        self._record(prep, pre, last, n_out, status)
+        self._record_all(parts, last, n_out, status)
+
+    def _record_all(
+        self,
+        parts: list[tuple[Prepared, EngineChunk]],
+        last: list[EngineChunk | None],
+        n_out: list[int],
+        status: int,
+    ) -> list[tuple[float, float]]:
+        """:meth:`_record` for every part; the first (which holds the trace's root span) last,
+        so the root ends after every prompt of a batch."""
+        out = [
+            self._record(parts[k][0], parts[k][1], last[k], n_out[k], status)
+            for k in range(len(parts) - 1, -1, -1)
+        ]
+        return out[::-1]
 
     def _record(
         self,
@@ -1030,6 +1118,83 @@ def _merge_logprobs(acc: Any, new: Any) -> Any:
 async def _nothing() -> AsyncIterator[EngineChunk]:
     return
     yield  # an empty async generator
+
+
+async def _with_echo_only(
+    parts: list[tuple[Prepared, EngineChunk]], chunks: AsyncIterator[EngineChunk]
+) -> AsyncIterator[EngineChunk]:
+    """``chunks``, after one empty finished chunk per choice of every part that is an
+    ``echo`` with ``max_tokens`` 0 (its response is the prompt alone, nothing decoded)."""
+    for k, (prep, pre) in enumerate(parts):
+        if prep.echo_only:
+            n = prep.sampling.n
+            for i in range(n):
+                yield EngineChunk(
+                    "", (), "length", len(prep.ids), pre.num_cached_tokens, 0.0, index=k * n + i
+                )
+    async for ch in chunks:
+        yield ch
+
+
+def _own_serve_request_id() -> None:
+    """Give the current task's Serve calls an internal request id of their own. A handle call
+    made while serving a request inherits that request's id, so the prefill (or decode) calls
+    of a batch's prompts would share one id, which Serve's and our routers' bookkeeping are
+    keyed by (seen: the second call never completed). A no-op outside a Serve request."""
+    try:
+        from ray.serve import context as serve_context
+        from ray.serve._private.utils import generate_request_id
+    except Exception:  # no Serve: unit tests
+        return
+    cur = serve_context._serve_request_context.get()
+    if cur is not None:
+        serve_context._serve_request_context.set(
+            replace(cur, _internal_request_id=generate_request_id())
+        )
+
+
+async def _own(stream: AsyncIterator[EngineChunk]) -> AsyncIterator[EngineChunk]:
+    """``stream``, its Serve calls under their own request id (see
+    :func:`_own_serve_request_id`); run in its own task, as :func:`_merge` does."""
+    _own_serve_request_id()
+    async for ch in stream:
+        yield ch
+
+
+async def _offset(stream: AsyncIterator[EngineChunk], by: int) -> AsyncIterator[EngineChunk]:
+    """``stream`` with its chunks' choice index moved up by ``by`` (a batch's prompt ``k``)."""
+    async for ch in stream:
+        yield replace(ch, index=ch.index + by) if by else ch
+
+
+async def _merge(streams: list[AsyncIterator[EngineChunk]]) -> AsyncIterator[EngineChunk]:
+    """The chunks of several streams as they come; the first error ends all of them."""
+    q: asyncio.Queue[Any] = asyncio.Queue()
+    done = object()
+
+    async def pump(s: AsyncIterator[EngineChunk]) -> None:
+        try:
+            async for ch in s:
+                q.put_nowait(ch)
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            q.put_nowait(e)
+        finally:
+            q.put_nowait(done)
+
+    tasks = [asyncio.create_task(pump(s)) for s in streams]
+    live = len(tasks)
+    try:
+        while live:
+            item = await q.get()
+            if item is done:
+                live -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 async def _prepend(

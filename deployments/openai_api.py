@@ -118,13 +118,16 @@ class DetokenizeRequest(_VllmDetokenizeRequest):
 AnyRequest = CompletionRequest | ChatCompletionRequest
 
 
-def _is_batch(prompt: Any) -> bool:
+def is_batch(prompt: Any) -> bool:
     """More than one prompt: several strings, or several token-id lists."""
     return isinstance(prompt, list) and len(prompt) > 1 and isinstance(prompt[0], (str, list))
 
 
 def single_prompt(prompt: Any) -> str | list[int]:
-    """The one prompt of a request (``["text"]`` and ``[[ids]]`` are batches of one)."""
+    """The one prompt of a request (``["text"]`` and ``[[ids]]`` are batches of one); a
+    batch of several is a 400 here (the ingress splits batches before)."""
+    if is_batch(prompt):
+        raise RequestError("prompt: one prompt here, not a batch", "prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
@@ -135,11 +138,6 @@ def single_prompt(prompt: Any) -> str | list[int]:
 #: field -> (is its value one the PD path cannot honour?, why). The one list of refusals: the
 #: README's table and the contract test over vLLM's request fields read it.
 REFUSED: dict[str, tuple[Callable[[Any, Any], bool], str]] = {
-    "prompt": (
-        lambda v, r: v is None or _is_batch(v),
-        "one prompt per request on the prefill/decode path (each prompt is routed to the "
-        "prefill replica that holds its prefix): send a batch as separate requests",
-    ),
     "use_beam_search": (
         lambda v, r: bool(v),
         "beam search runs many dependent sequences in vLLM's serving layer; the PD path "

@@ -232,6 +232,39 @@ def test_tokenize_and_detokenize(pd_app: dict[str, Any]) -> None:
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
 
 
+def test_a_batch_of_prompts_is_served_prompt_by_prompt(pd_app: dict[str, Any]) -> None:
+    """Several prompts in one completions request (vLLM accepts them): prompt k's n choices
+    are k*n .. k*n+n-1, each equal to that prompt sent alone; lm-eval's loglikelihood form
+    (a batch with echo, logprobs and max_tokens 0) answers every prompt back with its
+    prompt logprobs."""
+    c = client(pd_app)
+    prompts = ["one two three", LONG_PROMPT + " batch"]
+    kw: dict[str, Any] = {"max_tokens": 4, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    r = c.completions.create(model="test", prompt=prompts, **kw)
+    alone = [c.completions.create(model="test", prompt=p, **kw) for p in prompts]
+    assert [ch.index for ch in r.choices] == [0, 1]
+    assert [ch.text for ch in r.choices] == [a.choices[0].text for a in alone]  # greedy
+    assert r.usage is not None and r.usage.completion_tokens == 8
+    assert r.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)  # type: ignore[union-attr]
+    sampled = c.completions.create(
+        model="test", prompt=prompts, n=2, max_tokens=3, temperature=1.0, seed=1,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert [ch.index for ch in sampled.choices] == [0, 1, 2, 3]
+    assert sampled.usage is not None and sampled.usage.completion_tokens == 12
+    ll = post(
+        pd_app, "/v1/completions",
+        {"model": "test", "prompt": ["a b c", "d e f g"], "max_tokens": 0, "echo": True,
+         "logprobs": 1},
+    )  # fmt: skip
+    assert ll.status_code == 200, ll.text
+    ch = ll.json()["choices"]
+    assert [x["text"] for x in ch] == ["a b c", "d e f g"]
+    for x in ch:
+        lps = x["logprobs"]["token_logprobs"]
+        assert lps[0] is None and all(isinstance(v, float) for v in lps[1:]) and len(lps) > 1
+
+
 @pytest.mark.parametrize(
     ("path", "extra", "param"),
     [

@@ -181,7 +181,7 @@ def test_auth_and_model_errors(wired: Any) -> None:
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
     r = client.post("/v1/completions", json={**ok, "temperature": -1}, headers=auth())
     assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
-    r = client.post("/v1/completions", json={**ok, "prompt": ["a", "b"]}, headers=auth())
+    r = client.post("/v1/completions", json={**ok, "prompt": None}, headers=auth())
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
 
 
@@ -308,3 +308,34 @@ def test_n_choices_echo_and_request_id(wired: Any) -> None:
         chunks = [json.loads(ln[6:]) for ln in s.iter_lines() if ln.startswith("data: {")]
     firsts = [c["choices"][0] for c in chunks if c["choices"][0]["delta"].get("role")]
     assert sorted(c["index"] for c in firsts) == [0, 1]  # each choice opens with the role
+
+
+def test_a_batch_of_prompts_is_one_request_per_prompt(wired: Any) -> None:
+    client, pre, dec = wired
+    n_pre = len(pre.seen)
+    body = {"model": "test", "prompt": [[4, 8, 9, 10], [5, 6, 7]], "max_tokens": 2, "n": 2}
+    r = client.post("/v1/completions", headers=auth(), json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    # prompt k owns choices k*n .. k*n+n-1, as vLLM numbers them
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2, 3]
+    assert all(c["text"] == "t0t1" for c in out["choices"])
+    seen = pre.seen[n_pre:]
+    assert [x.prompt_token_ids for x in seen] == [(4, 8, 9, 10), (5, 6, 7)]  # a prefill each
+    assert seen[0].request_id != seen[1].request_id
+    assert out["usage"]["prompt_tokens"] == 7
+    assert out["usage"]["completion_tokens"] == 8
+    assert len(out["pdserve"]["prefill_replicas"]) == 2
+    with client.stream(
+        "POST", "/v1/completions", headers=auth(), json={**body, "stream": True}
+    ) as st:
+        chunks = [json.loads(ln[6:]) for ln in st.iter_lines() if ln.startswith("data: {")]
+    finished = sorted(c["choices"][0]["index"] for c in chunks if c["choices"][0]["finish_reason"])
+    assert finished == [0, 1, 2, 3]
+    echo = client.post(
+        "/v1/completions",
+        headers=auth(),
+        json={"model": "test", "prompt": ["ab", "cd"], "max_tokens": 0, "echo": True},
+    ).json()
+    assert [c["text"] for c in echo["choices"]] == ["ab", "cd"]
+    assert echo["usage"]["completion_tokens"] == 0

@@ -56,7 +56,6 @@ def samp(req: Any, prompt_tokens: int = 10, max_model_len: int = 100) -> Any:
 #: A value of each refused field that the PD path cannot honour (the contract test checks
 #: every entry of REFUSED has one, and that each is refused naming its field).
 REFUSED_EXAMPLES: dict[str, Any] = {
-    "prompt": ["one", "two"],
     "use_beam_search": True,
     "best_of": 3,
     "suffix": "tail",
@@ -105,7 +104,7 @@ def test_every_vllm_field_is_accepted_at_its_default(ours: Any, theirs: Any, bas
 @pytest.mark.parametrize("field", sorted(REFUSED_EXAMPLES))
 def test_each_refusal_names_its_field_and_says_why(field: str) -> None:
     assert set(REFUSED) == set(REFUSED_EXAMPLES), "every refusal needs an example here"
-    in_chat = field in VllmChatRequest.model_fields and field != "prompt"
+    in_chat = field in VllmChatRequest.model_fields
     body: dict[str, Any] = {field: REFUSED_EXAMPLES[field]}
     if field == "tool_choice":
         body["tools"] = TOOLS
