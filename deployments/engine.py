@@ -286,11 +286,13 @@ def _pop_admission(admissions: dict[str, Any] | None, rid: str) -> dict[str, Any
     suffix, so ``rid``'s record is never its sibling ``{rid}-1``'s."""
     if not admissions:
         return None
-    if rid in admissions:
-        return dict(admissions.pop(rid))
-    n = len(rid) + 9
-    key = next((k for k in list(admissions) if len(k) == n and k.startswith(rid + "-")), None)
-    return dict(admissions.pop(key)) if key is not None else None
+    # pops with a default: the engine thread may evict a record between two calls here
+    got = admissions.pop(rid, None)
+    if got is None:
+        n = len(rid) + 9
+        key = next((k for k in list(admissions) if len(k) == n and k.startswith(rid + "-")), None)
+        got = admissions.pop(key, None) if key is not None else None
+    return dict(got) if got is not None else None
 
 
 def _vllm_metrics_loggers() -> list[Any]:
