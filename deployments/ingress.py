@@ -506,13 +506,8 @@ class IngressCore:
         try:
             prep = await self.prepare(request, body)
         except RequestError as e:
-            self.refused += 1
             span.end()
-            self._finish_span(root, e.status, e.message)
-            self.metrics.inc(
-                "pdserve_requests", tenant="-", endpoint=endpoint, status=str(e.status)
-            )
-            return _error(e)
+            return self._refused(root, endpoint, e)
         span.end()
         prep.span = prep.parent = root
         set_attrs(
@@ -579,12 +574,7 @@ class IngressCore:
                 await self.prepare(request, body.model_copy(update={"prompt": p})) for p in prompts
             ]
         except RequestError as e:
-            self.refused += 1
-            self._finish_span(root, e.status, e.message)
-            self.metrics.inc(
-                "pdserve_requests", tenant="-", endpoint="completions", status=str(e.status)
-            )
-            return _error(e)
+            return self._refused(root, "completions", e)
         self.requests += len(preps)
         for prep in preps:
             prep.rid = preps[0].rid  # one response id; the engines' ids stay apart
@@ -847,14 +837,10 @@ class IngressCore:
         n = prep0.sampling.n
         choices: dict[int, ChoiceOut] = {}
         state: dict[int, Any] = {}
-        n_out = [0] * len(parts)
-        last: list[EngineChunk | None] = [None] * len(parts)
+        tally = _Tally(parts)
         try:
             async for ch in _with_echo_only(parts, chunks):
-                k = ch.index // n
-                prep, pre = parts[k]
-                n_out[k] += len(ch.token_ids)
-                last[k] = ch
+                prep, pre = tally.take(ch)
                 d = self._delta(prep, pre, ch, state)
                 c = choices.setdefault(ch.index, ChoiceOut(index=ch.index))
                 c.text += d.text
@@ -864,27 +850,21 @@ class IngressCore:
                 c.logprobs = _merge_logprobs(c.logprobs, d.logprobs)
         except RequestError as e:
             return self._failed(prep0, e)
-        records = self._record_all(parts, last, n_out, 200)
-        total_s, engine_s = records[0]
+        total_s, engine_s = self._record_all(tally, 200)[0]
         extra = dict(prep0.extra)
-        extra.pop("prompt_token_ids", None)
+        if not prep0.chat:  # completions carry the prompt's ids in each choice (below)
+            extra.pop("prompt_token_ids", None)
         for i, c in choices.items():
             prep, pre = parts[i // n]
             if pre.prompt_logprobs is not None and not prep.chat:
                 c.prompt_logprobs = prompt_logprobs_json(pre.prompt_logprobs)
         if prep0.chat and parts[0][1].prompt_logprobs is not None:
             extra["prompt_logprobs"] = prompt_logprobs_json(parts[0][1].prompt_logprobs)
-        if prep0.chat and "prompt_token_ids" in prep0.extra:
-            extra["prompt_token_ids"] = prep0.extra["prompt_token_ids"]
         out = completion_body(
             prep0.rid,
             self.model_name,
             [choices[i] for i in sorted(choices)],
-            usage(
-                sum(len(p.ids) for p, _ in parts),
-                sum(n_out),
-                sum(pre.num_cached_tokens for _, pre in parts),
-            ),
+            tally.usage(),
             prep0.chat,
             token_ids=prep0.token_ids,
             extra=extra,
@@ -892,6 +872,7 @@ class IngressCore:
         if not prep0.chat and "prompt_token_ids" in prep0.extra:
             for c in out["choices"]:
                 c["prompt_token_ids"] = parts[c["index"] // n][0].extra["prompt_token_ids"]
+        last = tally.last
         out["pdserve"] = {
             "ingress_replica": self.replica_id,
             "prefill_replica": parts[0][1].replica_id,
@@ -923,20 +904,15 @@ class IngressCore:
         created = int(time.time())
         m = self.model_name
         prep0 = parts[0][0]
-        n = prep0.sampling.n
 
         def sse(obj: dict[str, Any]) -> str:
             return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
-        n_out = [0] * len(parts)
-        last: list[EngineChunk | None] = [None] * len(parts)
+        tally = _Tally(parts)
         state: dict[int, Any] = {}
         try:
             async for ch in _with_echo_only(parts, chunks):
-                k = ch.index // n
-                prep, pre = parts[k]
-                n_out[k] += len(ch.token_ids)
-                last[k] = ch
+                prep, pre = tally.take(ch)
                 first = ch.index not in state
                 d = self._delta(prep, pre, ch, state)
                 if d.text or d.finish_reason or first or d.logprobs:
@@ -958,26 +934,17 @@ class IngressCore:
         else:
             status = 200
         if prep0.with_usage:
-            use = usage(
-                sum(pre.num_prompt_tokens for _, pre in parts),
-                sum(n_out),
-                sum(pre.num_cached_tokens for _, pre in parts),
-            )
+            use = tally.usage()
             yield sse(stream_chunk(prep0.rid, m, created, chat=prep0.chat, use=use))
         yield "data: [DONE]\n\n"
-        self._record_all(parts, last, n_out, status)
+        self._record_all(tally, status)
 
-    def _record_all(
-        self,
-        parts: list[tuple[Prepared, EngineChunk]],
-        last: list[EngineChunk | None],
-        n_out: list[int],
-        status: int,
-    ) -> list[tuple[float, float]]:
+    def _record_all(self, tally: _Tally, status: int) -> list[tuple[float, float]]:
         """:meth:`_record` for every part; the first (which holds the trace's root span) last,
         so the root ends after every prompt of a batch."""
+        parts = tally.parts
         out = [
-            self._record(parts[k][0], parts[k][1], last[k], n_out[k], status)
+            self._record(parts[k][0], parts[k][1], tally.last[k], tally.n_out[k], status)
             for k in range(len(parts) - 1, -1, -1)
         ]
         return out[::-1]
@@ -1032,6 +999,14 @@ class IngressCore:
             prep.span = None
         return total_s, engine_s
 
+    def _refused(self, root: Any, endpoint: str, e: RequestError) -> JSONResponse:
+        """A request refused in ``prepare`` (before any engine call): counted, its trace
+        ended, its error body."""
+        self.refused += 1
+        self._finish_span(root, e.status, e.message)
+        self.metrics.inc("pdserve_requests", tenant="-", endpoint=endpoint, status=str(e.status))
+        return _error(e)
+
     def _failed(self, prep: Prepared, e: RequestError) -> JSONResponse:
         """A request that failed after ``prepare``: its metric and trace end, its error body."""
         self.metrics.inc(
@@ -1048,6 +1023,32 @@ class IngressCore:
         if status >= 400:
             span.set_status(Status(StatusCode.ERROR, message))
         span.end()
+
+
+class _Tally:
+    """Per part of a response (one prompt of a batch) its tokens out and last chunk, as the
+    merged chunks go by; part ``k`` owns choices ``k*n .. k*n+n-1``."""
+
+    def __init__(self, parts: list[tuple[Prepared, EngineChunk]]) -> None:
+        self.parts = parts
+        self.n = parts[0][0].sampling.n
+        self.n_out = [0] * len(parts)
+        self.last: list[EngineChunk | None] = [None] * len(parts)
+
+    def take(self, ch: EngineChunk) -> tuple[Prepared, EngineChunk]:
+        """Count ``ch``; its part's ``(prep, prefill result)``."""
+        k = ch.index // self.n
+        self.n_out[k] += len(ch.token_ids)
+        self.last[k] = ch
+        return self.parts[k]
+
+    def usage(self) -> Any:
+        """The response's usage, summed over the parts."""
+        return usage(
+            sum(pre.num_prompt_tokens for _, pre in self.parts),
+            sum(self.n_out),
+            sum(pre.num_cached_tokens for _, pre in self.parts),
+        )
 
 
 def _engine_request(prep: Prepared, span: Any, **kw: Any) -> EngineRequest:
