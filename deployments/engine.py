@@ -264,8 +264,8 @@ class InProcessEngine:
 
 
 def _refusal(e: Exception) -> Exception:
-    """vLLM's refusal of a request at ``add_request`` (its parameters, its prompt) as
-    :class:`EngineRefused`; anything else as it is."""
+    """vLLM's refusal of a request (its sampling parameters, at construction, ``verify`` or
+    ``add_request``) as :class:`EngineRefused`; anything else as it is."""
     from vllm.exceptions import VLLMClientError
 
     if isinstance(e, (ValueError, TypeError, VLLMClientError)):
@@ -577,7 +577,6 @@ class EngineReplica:
     def _verify(self, kwargs: dict[str, Any]) -> None:
         """Raise :class:`EngineRefused` when vLLM would refuse these sampling parameters."""
         from vllm import SamplingParams
-        from vllm.exceptions import VLLMClientError
 
         ip = self.engine.engine.input_processor
         try:
@@ -590,8 +589,8 @@ class EngineReplica:
                 ip.structured_outputs_config,
                 ip.tokenizer,
             )
-        except (ValueError, TypeError, VLLMClientError) as e:
-            raise EngineRefused(str(e).strip()[:500], getattr(e, "parameter", None)) from None
+        except Exception as e:  # vLLM's refusal of the parameters, or anything else as it is
+            raise _refusal(e) from None
 
     async def _generate(
         self,
@@ -603,7 +602,6 @@ class EngineReplica:
         seq: int = 0,
     ) -> AsyncIterator[EngineChunk]:
         from vllm import SamplingParams
-        from vllm.exceptions import VLLMClientError
         from vllm.sampling_params import RequestOutputKind
 
         t0 = time.monotonic()
@@ -617,8 +615,8 @@ class EngineReplica:
                 output_kind=RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY,
                 extra_args=extra or None,
             )
-        except (ValueError, TypeError, VLLMClientError) as e:
-            raise EngineRefused(str(e).strip()[:500], getattr(e, "parameter", None)) from None
+        except Exception as e:  # vLLM's refusal of the parameters, or anything else as it is
+            raise _refusal(e) from None
         prompt: dict[str, Any] = {"prompt_token_ids": list(req.prompt_token_ids)}
         if req.cache_salt:
             prompt["cache_salt"] = req.cache_salt
