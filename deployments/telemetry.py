@@ -289,8 +289,11 @@ _METRICS: Metrics | None = None
 
 
 def metrics() -> Metrics:
-    """This process's :class:`Metrics` (built on first use)."""
+    """This process's :class:`Metrics` (built on first use; no lock after that, since
+    routers and the index call it per request)."""
     global _METRICS
+    if _METRICS is not None:
+        return _METRICS
     with _LOCK:
         if _METRICS is None:
             _METRICS = Metrics()
