@@ -21,6 +21,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from cluster.tenants import TENANT_PATTERN, is_key_hash
 from controllers.routing import RoutingConfig, RoutingName
 from engines.config import EngineSchedulerConfig
 from engines.launch import EngineLaunch, HashAlgo, KVEventsLaunch, KVTransfer, SchedulerName
@@ -35,6 +36,7 @@ ENV_CACHE_DIR = "PDSERVE_CACHE_DIR"
 ENV_REDIS_URL = "PDSERVE_REDIS_URL"
 
 DEFAULT_CACHE_DIR = "~/.cache/pdserve"
+TENANT_NAME = TENANT_PATTERN
 
 
 class _Strict(BaseModel):
@@ -220,9 +222,10 @@ class IngressConfig(_Strict):
     )
     api_keys: dict[str, str] = Field(
         default_factory=dict,
-        description="API key -> tenant name. Empty: no authentication, every request is "
-        "tenant 'anonymous'. Each tenant's prompts get their own cache salt, so tenants never "
-        "share KV blocks.",
+        description="Plain API key -> tenant name, for development (hashed at start and never "
+        "kept; production: tenants.key_hashes or tenants.keys_file). No key source at all: "
+        "every request is tenant 'anonymous'. Each tenant's prompts get their own cache "
+        "salt, so tenants never share KV blocks unless tenants.*.cache_group says so.",
     )
     max_ongoing_requests: int = Field(
         default=512,
@@ -249,10 +252,130 @@ class IngressConfig(_Strict):
     @field_validator("api_keys")
     @classmethod
     def _keys(cls, v: dict[str, str]) -> dict[str, str]:
+        import re
+
         bad = [k for k, t in v.items() if not k.strip() or not t.strip()]
         if bad:
             raise ValueError("API keys and tenant names must be non-empty")
+        name = next((t for t in v.values() if not re.match(TENANT_NAME, t)), None)
+        if name is not None:
+            raise ValueError(f"tenant {name!r}: letters, digits, '_', '.', '-' only")
         return v
+
+
+TenantName = Annotated[
+    str,
+    Field(
+        pattern=TENANT_NAME,
+        description="A tenant (or cache group) name: letters, digits, '_', '.', '-'.",
+    ),
+]
+
+
+class TenantLimits(_Strict):
+    """One tenant's limits (every field optional: null means no limit of that kind)."""
+
+    requests_per_second: float | None = Field(
+        default=None, gt=0, le=1_000_000, description="Sustained requests per second."
+    )
+    burst_requests: int | None = Field(
+        default=None,
+        ge=1,
+        le=1_000_000,
+        description="Requests allowed at once above the sustained rate (null: the rate, "
+        "rounded up, at least 1).",
+    )
+    tokens_per_minute: int | None = Field(
+        default=None,
+        ge=1,
+        le=10**12,
+        description="Prompt plus requested output tokens (max_tokens x n) per minute; the part "
+        "of max_tokens not produced is given back when the request ends. A request needing more "
+        "than this at once is a 400 naming max_tokens.",
+    )
+    max_context_tokens: int | None = Field(
+        default=None, ge=1, le=10_000_000, description="Longest prompt, in tokens."
+    )
+    max_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        le=10_000_000,
+        description="Largest max_tokens a request may ask for (and the default's cap).",
+    )
+    cache_group: TenantName | None = Field(
+        default=None,
+        description="Tenants with the same cache_group share prefix-cache hits (and so each "
+        "other's timing signal); null: the tenant's cache is its own.",
+    )
+
+    def buckets(self) -> dict[str, tuple[float, float]]:
+        """``{bucket name: (rate per second, capacity)}`` of the limits that are set."""
+        out: dict[str, tuple[float, float]] = {}
+        if self.requests_per_second is not None:
+            burst = self.burst_requests or max(1, -(-self.requests_per_second // 1))
+            out["requests"] = (self.requests_per_second, float(burst))
+        if self.tokens_per_minute is not None:
+            out["tokens"] = (self.tokens_per_minute / 60.0, float(self.tokens_per_minute))
+        return out
+
+
+class TenantsConfig(_Strict):
+    """Who may call (API keys, stored hashed) and each tenant's limits and cache sharing.
+
+    Keys resolve to tenants from ``key_hashes``, ``keys_file`` (re-read when it changes) and,
+    with ``keys_in_redis``, Redis (``pdserve keys add|revoke``); plain ``ingress.api_keys`` are
+    for development. With no key source at all, every request is tenant ``anonymous``.
+    """
+
+    key_hashes: dict[str, TenantName] = Field(
+        default_factory=dict,
+        description="'sha256:<hex digest of the key>' -> tenant (pdserve keys hash KEY).",
+    )
+    keys_file: str | None = Field(
+        default=None,
+        description="YAML/JSON file of 'sha256:<hex>: tenant' (a mounted Secret, say); re-read "
+        "when it changes, so keys are added or revoked without a restart ('~' expands).",
+    )
+    keys_in_redis: bool = Field(
+        default=False,
+        description="Also look keys up in Redis (index.redis_url), where pdserve keys add "
+        "--redis puts them.",
+    )
+    key_cache_s: float = Field(
+        default=2.0,
+        ge=0,
+        le=3600,
+        description="How long a Redis key lookup is reused (a revoked key works at most this "
+        "long).",
+    )
+    default: TenantLimits = Field(
+        default_factory=TenantLimits, description="Limits of every tenant not in by_name."
+    )
+    by_name: dict[TenantName, TenantLimits] = Field(
+        default_factory=dict,
+        description="Per tenant: fields set here (not null) replace the default's.",
+    )
+    limits_backend: Literal["auto", "memory", "redis"] = Field(
+        default="auto",
+        description="Where the rate-limit buckets live: 'redis' (index.redis_url; shared by "
+        "every ingress replica), 'memory' (per ingress replica), 'auto': redis when "
+        "index.backend is redis.",
+    )
+
+    @field_validator("key_hashes")
+    @classmethod
+    def _hashes(cls, v: dict[str, str]) -> dict[str, str]:
+        bad = [h for h in v if not is_key_hash(h)]
+        if bad:
+            raise ValueError(f"{bad[0][:20]!r} is not 'sha256:<64 lowercase hex digits>'")
+        return v
+
+    def limits(self, tenant: str) -> TenantLimits:
+        """``tenant``'s limits: ``by_name`` over ``default``."""
+        own = self.by_name.get(tenant)
+        if own is None:
+            return self.default
+        return self.default.model_copy(update=own.model_dump(exclude_none=True))
 
 
 class IndexConfig(_Strict):
@@ -384,6 +507,9 @@ class AppConfig(_Strict):
         description="The decode engine replicas (kv_consumer).",
     )
     ingress: IngressConfig = Field(default_factory=IngressConfig, description="The HTTP ingress.")
+    tenants: TenantsConfig = Field(
+        default_factory=TenantsConfig, description="API keys, tenant limits, cache sharing."
+    )
     index: IndexConfig = Field(default_factory=IndexConfig, description="The prefix index.")
     routing: AppRoutingConfig = Field(
         default_factory=AppRoutingConfig, description="Routing of prefill and decode requests."

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -44,6 +45,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from opentelemetry.trace import SpanKind, Status, StatusCode
 from vllm.exceptions import VLLMClientError
 
+from cluster.tenants import Charge, KeyStore, KeyStoreUnavailable, RateLimiter, hash_key
+from controllers.tenants import Bucket
 from deployments.config import AppConfig
 from deployments.openai_api import (
     FINISH_REASONS,
@@ -97,7 +100,7 @@ ANONYMOUS = "anonymous"
 
 
 def _error(e: RequestError) -> JSONResponse:
-    return JSONResponse(e.body(), status_code=e.status)
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers or None)
 
 
 @api.exception_handler(RequestValidationError)
@@ -105,9 +108,11 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
     errs = exc.errors()
     first = errs[0] if errs else {}
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
-    msg = f"{param}: {first.get('msg', 'invalid request')}" if param else "invalid request body"
-    return _error(RequestError(msg, param))
+    ctx = first.get("ctx") or {}
+    param = ".".join(loc) or (ctx.get("param") if isinstance(ctx, dict) else None)
+    text = str(first.get("msg") or "invalid request body")
+    msg = text if not loc else f"{param}: {text}"
+    return _error(RequestError(msg[:1000], param))
 
 
 @api.exception_handler(VLLMClientError)
@@ -148,7 +153,10 @@ def _text_of(content: Any, where: str) -> str:
             raise RequestError(
                 f"{where}: content part of type {kind!r} is not supported (text only)", where
             )
-        parts.append(str(part.get("text") or part.get("refusal") or ""))
+        text = part.get("refusal") if kind == "refusal" else part.get("text")
+        if not isinstance(text, str):
+            raise RequestError(f"{where}: a {kind} part needs a string, not {text!r}"[:300], where)
+        parts.append(text)
     return "\n".join(parts)
 
 
@@ -279,6 +287,8 @@ class Prepared:
     span: Any = None
     #: the span its phase spans go under (the root; a batch's prompts share it)
     parent: Any = None
+    #: the tenant's tokens bucket and the output tokens reserved in it (given back unused)
+    reserved: tuple[Bucket, int] | None = None
 
 
 #: Statistics of the directory reports shown per replica in ``/v1/pdserve/stats``.
@@ -333,6 +343,8 @@ class IngressCore:
         self.metrics = metrics()
         self._feed_events = CounterPublisher("pdserve_index_feed_events")
         self.index = IndexView(self.cfg, app_name)
+        self.keys, self.limiter = _tenancy(self.cfg, app_name)
+        self._background: set[asyncio.Task[None]] = set()
         self.directories = {
             "prefill": directory(app_name, "prefill"),
             "decode": directory(app_name, "decode"),
@@ -375,16 +387,73 @@ class IngressCore:
             await self.index.sync(d.snapshot())
             self._synced_version = version
 
-    # -- auth ----------------------------------------------------------------------------
-    def tenant(self, request: Request) -> str:
-        keys = self.cfg.ingress.api_keys
-        if not keys:
+    # -- auth and limits -----------------------------------------------------------------
+    async def tenant(self, request: Request) -> str:
+        """The caller's tenant from ``Authorization: Bearer KEY``; 401 for a missing or
+        unknown key, 503 when only Redis knows keys and it did not answer."""
+        if not self.keys.enabled:
             return ANONYMOUS
         auth = request.headers.get("authorization", "")
         key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
-        if key not in keys:
-            raise RequestError("invalid or missing API key", None, status=401)
-        return keys[key]
+        try:
+            tenant = await self.keys.tenant(key)
+        except KeyStoreUnavailable as e:
+            raise RequestError(str(e), None, status=503, headers={"Retry-After": "1"}) from None
+        if tenant is None:
+            raise RequestError(
+                "invalid or missing API key (send 'Authorization: Bearer KEY')",
+                None,
+                status=401,
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        return tenant
+
+    async def admit(self, prep: Prepared) -> None:
+        """Take the request from its tenant's buckets (requests, and prompt plus requested
+        output tokens), or raise 429 with ``Retry-After`` (400 when it could never fit)."""
+        limits = self.cfg.tenants.limits(prep.tenant)
+        buckets = limits.buckets()
+        if not buckets:
+            return
+        out = prep.sampling.max_tokens * prep.sampling.n
+        costs = {"requests": 1.0, "tokens": float(len(prep.ids) + out)}
+        charges = [Charge(k, Bucket(*b), costs[k]) for k, b in buckets.items()]
+        for c in charges:
+            if c.cost > c.bucket.capacity:
+                raise RequestError(
+                    f"this request needs {int(c.cost)} tokens (prompt {len(prep.ids)} + "
+                    f"max_tokens {prep.sampling.max_tokens} x n {prep.sampling.n}), above this "
+                    f"tenant's tokens_per_minute of {int(c.bucket.capacity)}: ask for fewer",
+                    "max_tokens",
+                )
+        v = await self.limiter.admit(prep.tenant, charges)
+        if not v.allowed:
+            wait = max(1, math.ceil(v.retry_after_s))
+            self.metrics.inc("pdserve_rate_limited", tenant=prep.tenant, limit=v.refused_by or "")
+            raise RequestError(
+                f"tenant {prep.tenant!r} is over its "
+                f"{'requests per second' if v.refused_by == 'requests' else 'tokens per minute'} "
+                f"limit; retry after {wait} s",
+                None,
+                status=429,
+                headers={"Retry-After": str(wait)},
+                code="rate_limit_exceeded",
+            )
+        if "tokens" in buckets:
+            prep.reserved = (Bucket(*buckets["tokens"]), out)
+
+    def _give_back(self, prep: Prepared, produced: int) -> None:
+        """Return the reserved output tokens the request did not produce (once)."""
+        if prep.reserved is None:
+            return
+        bucket, out = prep.reserved
+        prep.reserved = None
+        if out > produced:
+            task = asyncio.get_running_loop().create_task(
+                self.limiter.give_back(prep.tenant, "tokens", bucket, out - produced)
+            )
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
 
     # -- endpoints -----------------------------------------------------------------------
     async def health(self) -> JSONResponse:
@@ -569,11 +638,13 @@ class IngressCore:
         )
         prompts = list(body.prompt or [])
         set_attrs(root, {"endpoint": "completions", "batch": len(prompts)})
+        preps: list[Prepared] = []
         try:
-            preps = [
-                await self.prepare(request, body.model_copy(update={"prompt": p})) for p in prompts
-            ]
+            for p in prompts:
+                preps.append(await self.prepare(request, body.model_copy(update={"prompt": p})))
         except RequestError as e:
+            for prep in preps:  # admitted before the refusal: their reservations go back
+                self._give_back(prep, 0)
             return self._refused(root, "completions", e)
         self.requests += len(preps)
         for prep in preps:
@@ -603,7 +674,7 @@ class IngressCore:
     ) -> Any:
         """vLLM's ``/tokenize``: the prompt's (or the rendered conversation's) token ids."""
         try:
-            self.tenant(request)
+            await self.tenant(request)
             self._check_model(body.model)
             if isinstance(body, TokenizeChatRequest):
                 for name in ("chat_template", "media_io_kwargs", "mm_processor_kwargs"):
@@ -626,7 +697,7 @@ class IngressCore:
     async def detokenize(self, request: Request, body: DetokenizeRequest) -> Any:
         """vLLM's ``/detokenize``: the text of token ids (ids outside the vocabulary: 400)."""
         try:
-            self.tenant(request)
+            await self.tenant(request)
             self._check_model(body.model)
             ids = self.tokenizer.check_ids(list(body.tokens), "tokens")
         except RequestError as e:
@@ -648,11 +719,28 @@ class IngressCore:
         """Auth, validation, tokenization and block hashes; raises :class:`RequestError`."""
         t0 = time.monotonic()
         chat = isinstance(body, ChatCompletionRequest)
-        tenant = self.tenant(request)
+        tenant = await self.tenant(request)
+        try:
+            return await self._prepare(request, body, tenant, t0, chat)
+        except RequestError as e:
+            e.tenant = tenant
+            raise
+
+    async def _prepare(
+        self,
+        request: Request,
+        body: CompletionRequest | ChatCompletionRequest,
+        tenant: str,
+        t0: float,
+        chat: bool,
+    ) -> Prepared:
         self._check_model(body.model)
         refuse_unsupported(body)  # before tokenizing (a batch of prompts, say)
-        salt = tenant if not body.cache_salt else f"{tenant}:{body.cache_salt}"
+        limits = self.cfg.tenants.limits(tenant)
+        space = f"@{limits.cache_group}" if limits.cache_group else tenant
+        salt = space if not body.cache_salt else f"{space}:{body.cache_salt}"
         max_len = self.cfg.model.max_model_len
+        max_ctx = limits.max_context_tokens
 
         def work() -> tuple[list[int], str | None, Resolved, dict[str, list[int]]]:
             text: str | None
@@ -666,14 +754,22 @@ class IngressCore:
                 if len(ids) > keep:
                     ids = ids[:keep] if body.truncation_side == "right" else ids[len(ids) - keep :]
                     text = None if not chat else text  # echo the prompt as truncated
+            where = "messages" if chat else "prompt"
             if not ids:
-                raise RequestError("the prompt is empty", "messages" if chat else "prompt")
+                raise RequestError("the prompt is empty", where)
+            if max_ctx is not None and len(ids) > max_ctx:
+                raise RequestError(
+                    f"{where}: the prompt has {len(ids)} tokens, above this tenant's "
+                    f"max_context_tokens of {max_ctx}",
+                    where,
+                )
             resolved = sampling_of(
                 body,
                 prompt_tokens=len(ids),
                 max_model_len=max_len,
                 default_max_tokens=self.cfg.ingress.max_tokens_default,
                 defaults=self.defaults,
+                max_tokens_cap=limits.max_tokens,
             )
             return ids, text, resolved, self.index.hashes(ids, salt)
 
@@ -703,6 +799,7 @@ class IngressCore:
             prep.extra["prompt_text"] = text
         if body.return_token_ids:
             prep.extra["prompt_token_ids"] = list(ids)
+        await self.admit(prep)
         prep.timing["prepare"] = time.monotonic() - t0
         return prep
 
@@ -968,6 +1065,7 @@ class IngressCore:
             self.phases[k].append(max(0.0, v))
         if prep.last_chunk_at is not None:
             self.phases["respond"].append(now - prep.last_chunk_at)
+        self._give_back(prep, n_out)
         m, tenant = self.metrics, prep.tenant
         m.inc("pdserve_requests", tenant=tenant, endpoint=_endpoint(prep), status=str(status))
         m.observe("pdserve_e2e_seconds", total_s, tenant=tenant)
@@ -1004,11 +1102,15 @@ class IngressCore:
         ended, its error body."""
         self.refused += 1
         self._finish_span(root, e.status, e.message)
-        self.metrics.inc("pdserve_requests", tenant="-", endpoint=endpoint, status=str(e.status))
+        self.metrics.inc(
+            "pdserve_requests", tenant=e.tenant or "-", endpoint=endpoint, status=str(e.status)
+        )
         return _error(e)
 
     def _failed(self, prep: Prepared, e: RequestError) -> JSONResponse:
-        """A request that failed after ``prepare``: its metric and trace end, its error body."""
+        """A request that failed after ``prepare``: its metric and trace end, its error body
+        (its reserved output tokens go back to its tenant)."""
+        self._give_back(prep, 0)
         self.metrics.inc(
             "pdserve_requests", tenant=prep.tenant, endpoint=_endpoint(prep), status=str(e.status)
         )
@@ -1023,6 +1125,35 @@ class IngressCore:
         if status >= 400:
             span.set_status(Status(StatusCode.ERROR, message))
         span.end()
+
+
+def _tenancy(cfg: AppConfig, app: str) -> tuple[KeyStore, RateLimiter]:
+    """The ingress's key store and rate limiter for ``cfg.tenants`` (Redis where asked)."""
+    t = cfg.tenants
+    redis_limits = t.limits_backend == "redis" or (
+        t.limits_backend == "auto" and cfg.index.backend == "redis"
+    )
+    client = None
+    if t.keys_in_redis or redis_limits:
+        import redis.asyncio as aioredis
+
+        timeout = max(0.05, cfg.index.lookup_timeout_s * 5)
+        client = aioredis.Redis.from_url(
+            cfg.index.redis_url,
+            decode_responses=True,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+        )
+    hashes = {hash_key(k): v for k, v in cfg.ingress.api_keys.items()}
+    hashes.update(t.key_hashes)
+    keys = KeyStore(
+        hashes,
+        file=Path(t.keys_file).expanduser() if t.keys_file else None,
+        redis=client if t.keys_in_redis else None,
+        app=app,
+        cache_s=t.key_cache_s,
+    )
+    return keys, RateLimiter(client if redis_limits else None, app)
 
 
 class _Tally:

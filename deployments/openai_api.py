@@ -6,7 +6,8 @@ accepts, field for field, and builds the engines' ``SamplingParams`` with vLLM's
 ``to_sampling_params``. Two differences, both deliberate:
 
 - unknown fields are refused with the field named (vLLM logs and ignores them, so a typo
-  silently changes nothing); OpenAI's ``best_of`` is accepted when it equals ``n``;
+  silently changes nothing), and types are strict (``"stream": "yes"`` or ``"max_tokens":
+  "5"`` is a 400, where vLLM coerces); OpenAI's ``best_of`` is accepted when it equals ``n``;
 - the fields the prefill/decode path cannot honour are refused with a 400 whose message says
   why; every such field and reason is in :data:`REFUSED`, the one place the README's table
   and the contract test read. Fields vLLM itself ignores on generation endpoints are listed in
@@ -18,10 +19,12 @@ Responses are built with the ``openai`` package's types, plus vLLM's extensions
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +41,8 @@ from openai.types.chat.chat_completion_token_logprob import (
 )
 from openai.types.completion_choice import Logprobs as CompletionLogprobs
 from openai.types.completion_usage import CompletionUsage, PromptTokensDetails
-from pydantic import ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 from vllm.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionRequest as _VllmChatRequest,
 )
@@ -56,33 +60,75 @@ from vllm.exceptions import VLLMClientError
 
 from deployments.protocol import Sampling, TokenLogprob
 
+#: OpenAI's error types for the statuses that have their own
+_ERROR_TYPES = {401: "authentication_error", 429: "rate_limit_error", 503: "overloaded_error"}
+
 
 class RequestError(ValueError):
     """A request the PD path refuses; ``param`` names the offending field (OpenAI's error
     ``param``), ``status`` is the HTTP status."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        status: int = 400,
+        headers: dict[str, str] | None = None,
+        code: str | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.status = status
+        #: response headers (``Retry-After`` on a 429 or 503, ``WWW-Authenticate`` on a 401)
+        self.headers = headers or {}
+        self.code = code
+        #: the tenant, when known (for the metrics of a refusal)
+        self.tenant: str | None = None
 
     def body(self) -> dict[str, Any]:
         """OpenAI's error envelope."""
         return {
             "error": {
                 "message": self.message,
-                "type": "invalid_request_error" if self.status < 500 else "server_error",
+                "type": _ERROR_TYPES.get(self.status)
+                or ("invalid_request_error" if self.status < 500 else "server_error"),
                 "param": self.param,
-                "code": None,
+                "code": self.code,
             }
         }
 
 
 _FORBID = ConfigDict(extra="forbid")
+_STRICT_CHECK: ContextVar[bool] = ContextVar("pdserve_strict_check", default=False)
+
+#: Roles a chat message may have (vLLM also passes any other role to the chat template)
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
-class CompletionRequest(_VllmCompletionRequest):
+class _StrictTypes(BaseModel):
+    """Strict types, at every depth: the body is first validated as JSON in pydantic's strict
+    mode (no string becomes a boolean or a number, no float an integer, in nested objects too),
+    then as vLLM validates it. vLLM's models coerce, so ``"stream": "yes"`` would stream and
+    ``"max_tokens": "5"`` would pass; here each is a 400 naming the field."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _strict_first(cls, data: Any) -> Any:
+        if isinstance(data, dict) and not _STRICT_CHECK.get():
+            try:
+                text = json.dumps(data)
+            except (TypeError, ValueError):  # not from a JSON body (Python callers)
+                return data
+            token = _STRICT_CHECK.set(True)
+            try:
+                cls.model_validate_json(text, strict=True)
+            finally:
+                _STRICT_CHECK.reset(token)
+        return data
+
+
+class CompletionRequest(_StrictTypes, _VllmCompletionRequest):
     """``POST /v1/completions``: vLLM's request model, unknown fields refused."""
 
     model_config = _FORBID
@@ -91,25 +137,50 @@ class CompletionRequest(_VllmCompletionRequest):
     )
 
 
-class ChatCompletionRequest(_VllmChatRequest):
-    """``POST /v1/chat/completions``: vLLM's request model, unknown fields refused."""
+class ChatCompletionRequest(_StrictTypes, _VllmChatRequest):
+    """``POST /v1/chat/completions``: vLLM's request model, unknown fields refused, roles
+    among :data:`ROLES`."""
 
     model_config = _FORBID
 
+    @model_validator(mode="before")
+    @classmethod
+    def _roles(cls, data: Any) -> Any:
+        return _check_roles(data)
 
-class TokenizeCompletionRequest(_VllmTokenizeCompletionRequest):
+
+class TokenizeCompletionRequest(_StrictTypes, _VllmTokenizeCompletionRequest):
     """``POST /tokenize`` with a ``prompt`` (vLLM's route)."""
 
     model_config = _FORBID
 
 
-class TokenizeChatRequest(_VllmTokenizeChatRequest):
+class TokenizeChatRequest(_StrictTypes, _VllmTokenizeChatRequest):
     """``POST /tokenize`` with ``messages`` (vLLM's route)."""
 
     model_config = _FORBID
 
+    @model_validator(mode="before")
+    @classmethod
+    def _roles(cls, data: Any) -> Any:
+        return _check_roles(data)
 
-class DetokenizeRequest(_VllmDetokenizeRequest):
+
+def _check_roles(data: Any) -> Any:
+    msgs = data.get("messages") if isinstance(data, dict) else None
+    if isinstance(msgs, list):
+        for i, m in enumerate(msgs):
+            role = m.get("role") if isinstance(m, dict) else None
+            if role not in ROLES:
+                raise PydanticCustomError(
+                    "role",
+                    "{param}: {role} is not one of {roles}",
+                    {"param": f"messages.{i}.role", "role": repr(role), "roles": ", ".join(ROLES)},
+                )
+    return data
+
+
+class DetokenizeRequest(_StrictTypes, _VllmDetokenizeRequest):
     """``POST /detokenize`` (vLLM's route)."""
 
     model_config = _FORBID
@@ -236,6 +307,7 @@ def sampling_of(
     max_model_len: int,
     default_max_tokens: int,
     defaults: dict[str, Any] | None = None,
+    max_tokens_cap: int | None = None,
 ) -> Resolved:
     """The engines' sampling for ``req``, after every PD-path check.
 
@@ -243,7 +315,9 @@ def sampling_of(
     chat's (``max_completion_tokens``, else ``max_tokens``) to ``min(default_max_tokens, room
     left)``. One that does not fit ``max_model_len`` with the prompt is a 400 naming it.
     ``defaults`` are the server's default sampling values (vLLM's
-    ``default_sampling_params``: the model's generation config).
+    ``default_sampling_params``: the model's generation config). ``max_tokens_cap`` is the
+    tenant's cap: a request asking for more is a 400 naming the field; the default is held
+    under it.
     """
     refuse_unsupported(req)
     chat = isinstance(req, ChatCompletionRequest)
@@ -268,6 +342,10 @@ def sampling_of(
             f"max_model_len={max_model_len}",
             fname,
         )
+    if asked is not None and max_tokens_cap is not None and asked > max_tokens_cap:
+        raise RequestError(f"{fname}={asked} is above this tenant's cap of {max_tokens_cap}", fname)
+    if max_tokens_cap is not None:
+        default_max_tokens = min(default_max_tokens, max_tokens_cap)
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if any(not s for s in stops):
         raise RequestError("stop: stop strings must be non-empty", "stop")

@@ -164,6 +164,10 @@ SERIES: dict[str, tuple[str, str, tuple[str, ...], list[float] | None]] = {
         "counter", "Requests answered by the ingress, by tenant, endpoint and HTTP status.",
         ("tenant", "endpoint", "status"), None,
     ),
+    "pdserve_rate_limited": (
+        "counter", "Requests refused with 429, by tenant and the limit (requests, tokens).",
+        ("tenant", "limit"), None,
+    ),
     "pdserve_ttft_seconds": (
         "histogram", "Time to the first token, at the ingress.", ("tenant",), LATENCY_S,
     ),

@@ -77,14 +77,18 @@ class FakeEngine:
 
 @pytest.fixture(scope="module")
 def wired(tiny_model_dir: Path) -> Any:
+    return _wire(tiny_model_dir, {"ingress": {"api_keys": {"ka": "alice", "kb": "bob"}}})
+
+
+def _wire(tiny_model_dir: Path, extra: dict[str, Any]) -> Any:
     from deployments.config import AppConfig
     from deployments.ingress import IngressCore, api
 
     cfg = AppConfig.model_validate(
         {
             "model": {"path": str(tiny_model_dir), "build_preset": None},
-            "ingress": {"api_keys": {"ka": "alice", "kb": "bob"}},
             "index": {"backend": "none"},
+            **extra,
         }
     ).model_dump(mode="json")
     pre, dec = FakeEngine("prefill"), FakeEngine("decode")
@@ -339,3 +343,139 @@ def test_a_batch_of_prompts_is_one_request_per_prompt(wired: Any) -> None:
     ).json()
     assert [c["text"] for c in echo["choices"]] == ["ab", "cd"]
     assert echo["usage"]["completion_tokens"] == 0
+
+
+@pytest.fixture(scope="module")
+def tenanted(tiny_model_dir: Path) -> Any:
+    from cluster.tenants import hash_key
+
+    return _wire(
+        tiny_model_dir,
+        {
+            "tenants": {
+                "key_hashes": {
+                    hash_key("k-alice"): "alice",
+                    hash_key("k-bob"): "bob",
+                    hash_key("k-carol"): "carol",
+                    hash_key("k-dave"): "dave",
+                },
+                "default": {"max_tokens": 50, "max_context_tokens": 40},
+                "by_name": {
+                    "alice": {"requests_per_second": 0.001, "burst_requests": 2},
+                    "bob": {"tokens_per_minute": 100},
+                    "carol": {"cache_group": "acme"},
+                    "dave": {"cache_group": "acme", "max_tokens": 8},
+                },
+            }
+        },
+    )
+
+
+def test_hashed_keys_and_401_with_a_challenge(tenanted: Any) -> None:
+    client, pre, _ = tenanted
+    ok = {"model": "test", "prompt": "hello", "max_tokens": 1}
+    r = client.post("/v1/completions", json=ok, headers=auth("k-nobody"))
+    assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+    assert r.json()["error"]["type"] == "authentication_error"
+    assert client.post("/v1/completions", json=ok, headers={"Authorization": "k-bob"}).status_code == 401
+    r = client.post("/v1/completions", json=ok, headers=auth("k-carol"))
+    assert r.status_code == 200, r.text
+    assert client.get("/health").status_code == 200  # stays open
+
+
+def test_requests_per_second_is_a_429_with_retry_after(tenanted: Any) -> None:
+    client, _, _ = tenanted
+    ok = {"model": "test", "prompt": "hello", "max_tokens": 1}
+    codes = [client.post("/v1/completions", json=ok, headers=auth("k-alice")) for _ in range(3)]
+    assert [r.status_code for r in codes] == [200, 200, 429]
+    r = codes[-1]
+    assert 900 < int(r.headers["retry-after"]) <= 1000  # one request per 1000 s
+    assert r.json()["error"]["type"] == "rate_limit_error"
+    assert r.json()["error"]["code"] == "rate_limit_exceeded"
+    # other tenants are not limited by alice's bucket
+    assert client.post("/v1/completions", json=ok, headers=auth("k-carol")).status_code == 200
+
+
+def test_tokens_per_minute_reserves_max_tokens_and_gives_back_the_unused(tenanted: Any) -> None:
+    client, _, _ = tenanted
+    # bob: 100 tokens per minute; prompt ~2 tokens + max_tokens 40 reserved, 3 produced
+    body = {"model": "test", "prompt": "hello", "max_tokens": 40, "stop": ["t2"]}
+    r = client.post("/v1/completions", json={**body, "max_tokens": 3}, headers=auth("k-bob"))
+    assert r.status_code == 200
+    for _ in range(3):  # each would reserve 42; after a refund of 0 two fit, not three
+        r = client.post("/v1/completions", json=body, headers=auth("k-bob"))
+        if r.status_code == 429:
+            break
+    else:
+        pytest.fail("bob's tokens per minute never bound")
+    assert int(r.headers["retry-after"]) >= 1 and "tokens per minute" in r.json()["error"]["message"]
+    big = client.post("/v1/completions", json={**body, "max_tokens": 120}, headers=auth("k-bob"))
+    # more than the whole bucket: no wait helps, so a 400 naming the field
+    assert big.status_code == 400 and big.json()["error"]["param"] == "max_tokens"
+
+
+def test_tenant_caps_on_context_and_max_tokens(tenanted: Any) -> None:
+    client, pre, _ = tenanted
+    long = {"model": "test", "prompt": " ".join(f"w{i}x" for i in range(60)), "max_tokens": 1}
+    r = client.post("/v1/completions", json=long, headers=auth("k-carol"))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert "max_context_tokens of 40" in r.json()["error"]["message"]
+    r = client.post(
+        "/v1/completions",
+        json={"model": "test", "prompt": "hi", "max_tokens": 9},
+        headers=auth("k-dave"),
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+    r = client.post(
+        "/v1/chat/completions",
+        json={"model": "test", "messages": [{"role": "user", "content": "hi"}]},
+        headers=auth("k-dave"),
+    )
+    assert r.status_code == 200 and pre.seen[-1].sampling.max_tokens == 8  # default under the cap
+
+
+def test_cache_groups_share_a_salt_and_other_tenants_do_not(tenanted: Any) -> None:
+    client, pre, _ = tenanted
+    salts = {}
+    for who in ("k-carol", "k-dave", "k-bob"):
+        r = client.post(
+            "/v1/completions",
+            json={"model": "test", "prompt": "hello", "max_tokens": 1},
+            headers=auth(who),
+        )
+        assert r.status_code in (200, 429)
+        if r.status_code == 200:
+            salts[who] = pre.seen[-1].cache_salt
+    assert salts["k-carol"] == salts["k-dave"] == "@acme"
+    if "k-bob" in salts:
+        assert salts["k-bob"] == "bob"
+    r = client.post(
+        "/v1/completions",
+        json={"model": "test", "prompt": "hello", "max_tokens": 1, "cache_salt": "s1"},
+        headers=auth("k-carol"),
+    )
+    assert r.status_code == 200 and pre.seen[-1].cache_salt == "@acme:s1"
+
+
+@pytest.mark.parametrize(
+    "patch, param",
+    [
+        ({"stream": "yes"}, "stream"),
+        ({"max_tokens": "5"}, "max_tokens"),
+        ({"max_tokens": 2.0}, "max_tokens"),
+        ({"temperature": "0.5"}, "temperature"),
+        ({"echo": 1}, "echo"),
+        ({"n": True}, "n"),
+        ({"stream": True, "stream_options": {"include_usage": "true"}}, "stream_options.include_usage"),
+        ({"logit_bias": {"5": "1"}}, "logit_bias.5"),
+    ],
+)
+def test_no_silent_coercion(wired: Any, patch: dict[str, Any], param: str) -> None:
+    client, _, _ = wired
+    r = client.post(
+        "/v1/completions",
+        json={"model": "test", "prompt": "hello", "max_tokens": 1, **patch},
+        headers=auth(),
+    )
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
