@@ -242,6 +242,15 @@ class IngressConfig(_Strict):
     health_timeout_s: float = Field(
         default=5.0, gt=0, le=600, description="Longest wait for one engine's readiness probe."
     )
+    max_body_bytes: int = Field(
+        default=16 * 1024 * 1024,
+        ge=1024,
+        le=1024**3,
+        description="Largest request body (bytes); above it a 413.",
+    )
+    max_json_depth: int = Field(
+        default=64, ge=4, le=1000, description="Deepest JSON nesting of a body; above it a 400."
+    )
     tokenize_off_loop_chars: int = Field(
         default=2048,
         ge=0,

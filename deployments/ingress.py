@@ -43,11 +43,14 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from opentelemetry.trace import SpanKind, Status, StatusCode
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from vllm.exceptions import VLLMClientError
 
 from cluster.tenants import Charge, KeyStore, KeyStoreUnavailable, RateLimiter, hash_key
 from controllers.tenants import Bucket
 from deployments.config import AppConfig
+from deployments.http_guard import BodyGuard, configure
 from deployments.openai_api import (
     FINISH_REASONS,
     ChatCompletionRequest,
@@ -95,6 +98,7 @@ from deployments.telemetry import (
 log = logging.getLogger(__name__)
 
 api = FastAPI(title="pdserve", description="OpenAI-compatible prefill/decode serving")
+api.add_middleware(BodyGuard)
 
 ANONYMOUS = "anonymous"
 
@@ -103,11 +107,26 @@ def _error(e: RequestError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers or None)
 
 
+@api.exception_handler(StarletteHTTPException)
+async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """Starlette's and FastAPI's own errors (unknown route, wrong method, a body FastAPI cannot
+    parse) in OpenAI's envelope."""
+    return _error(RequestError(str(exc.detail), None, status=exc.status_code))
+
+
 @api.exception_handler(RequestValidationError)
 async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
     errs = exc.errors()
     first = errs[0] if errs else {}
+    if first.get("type") == "json_invalid":
+        pos = next((p for p in first.get("loc", ()) if isinstance(p, int)), None)
+        ctx = first.get("ctx") or {}
+        where = f" at character {pos}" if pos is not None else ""
+        return _error(RequestError(f"the body is not valid JSON{where}: {ctx.get('error', '')}"))
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if not loc and first.get("type") in ("model_attributes_type", "dict_type", "missing"):
+        got = type(first.get("input")).__name__
+        return _error(RequestError(f"the body must be a JSON object (got {got})"))
     ctx = first.get("ctx") or {}
     param = ".".join(loc) or (ctx.get("param") if isinstance(ctx, dict) else None)
     text = str(first.get("msg") or "invalid request body")
@@ -146,6 +165,11 @@ def _text_of(content: Any, where: str) -> str:
     "string" content format); any other part is refused (text-only models)."""
     if content is None or isinstance(content, str):
         return content or ""
+    try:
+        content = list(content)  # vLLM's Iterable fields validate lazily, here
+    except ValidationError as e:
+        first = e.errors()[0] if e.errors() else {}
+        raise RequestError(f"{where}: {first.get('msg', 'invalid content part')}", where) from None
     parts = []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
@@ -344,6 +368,7 @@ class IngressCore:
         self._feed_events = CounterPublisher("pdserve_index_feed_events")
         self.index = IndexView(self.cfg, app_name)
         self.keys, self.limiter = _tenancy(self.cfg, app_name)
+        configure(self.cfg.ingress.max_body_bytes, self.cfg.ingress.max_json_depth)
         self._background: set[asyncio.Task[None]] = set()
         self.directories = {
             "prefill": directory(app_name, "prefill"),

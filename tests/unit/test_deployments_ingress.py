@@ -82,6 +82,7 @@ def wired(tiny_model_dir: Path) -> Any:
 
 def _wire(tiny_model_dir: Path, extra: dict[str, Any]) -> Any:
     from deployments.config import AppConfig
+    from deployments.http_guard import BodyGuard
     from deployments.ingress import IngressCore, api
 
     cfg = AppConfig.model_validate(
@@ -95,6 +96,8 @@ def _wire(tiny_model_dir: Path, extra: dict[str, Any]) -> Any:
     core = IngressCore(cfg, pre, dec)
     app = FastAPI()
     app.exception_handlers.update(api.exception_handlers)
+    ing = AppConfig.model_validate(cfg).ingress
+    app.add_middleware(BodyGuard, max_body_bytes=ing.max_body_bytes, max_json_depth=64)
 
     @app.post("/v1/completions")
     async def comp(request: Request, body: CompletionRequest) -> Any:
@@ -377,7 +380,10 @@ def test_hashed_keys_and_401_with_a_challenge(tenanted: Any) -> None:
     r = client.post("/v1/completions", json=ok, headers=auth("k-nobody"))
     assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
     assert r.json()["error"]["type"] == "authentication_error"
-    assert client.post("/v1/completions", json=ok, headers={"Authorization": "k-bob"}).status_code == 401
+    assert (
+        client.post("/v1/completions", json=ok, headers={"Authorization": "k-bob"}).status_code
+        == 401
+    )
     r = client.post("/v1/completions", json=ok, headers=auth("k-carol"))
     assert r.status_code == 200, r.text
     assert client.get("/health").status_code == 200  # stays open
@@ -408,7 +414,9 @@ def test_tokens_per_minute_reserves_max_tokens_and_gives_back_the_unused(tenante
             break
     else:
         pytest.fail("bob's tokens per minute never bound")
-    assert int(r.headers["retry-after"]) >= 1 and "tokens per minute" in r.json()["error"]["message"]
+    assert (
+        int(r.headers["retry-after"]) >= 1 and "tokens per minute" in r.json()["error"]["message"]
+    )
     big = client.post("/v1/completions", json={**body, "max_tokens": 120}, headers=auth("k-bob"))
     # more than the whole bucket: no wait helps, so a 400 naming the field
     assert big.status_code == 400 and big.json()["error"]["param"] == "max_tokens"
@@ -466,7 +474,10 @@ def test_cache_groups_share_a_salt_and_other_tenants_do_not(tenanted: Any) -> No
         ({"temperature": "0.5"}, "temperature"),
         ({"echo": 1}, "echo"),
         ({"n": True}, "n"),
-        ({"stream": True, "stream_options": {"include_usage": "true"}}, "stream_options.include_usage"),
+        (
+            {"stream": True, "stream_options": {"include_usage": "true"}},
+            "stream_options.include_usage",
+        ),
         ({"logit_bias": {"5": "1"}}, "logit_bias.5"),
     ],
 )
@@ -479,3 +490,65 @@ def test_no_silent_coercion(wired: Any, patch: dict[str, Any], param: str) -> No
     )
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+_J = {"content-type": "application/json"}
+
+
+@pytest.mark.parametrize(
+    "content, headers, status, says",
+    [
+        (b'{"prompt": "x", ', _J, 400, "not valid JSON at character 16"),
+        (b'{"prompt": "\xff\xfe", "max_tokens": 1}', _J, 400, "not valid UTF-8"),
+        (b'{"prompt": "x", "max_tokens": 1}', {"content-type": "text/plain"}, 415, "text/plain"),
+        (b'{"prompt": "x", "max_tokens": 1}', {}, 415, "application/json"),
+        (b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", _J, 400, "nested deeper than 64"),
+        (b"[1, 2]", _J, 400, "must be a JSON object (got list)"),
+        (b"", _J, 400, "body is empty"),
+        (b'{"prompt": "x", "temperature": NaN, "max_tokens": 1}', _J, 400, "finite"),
+        (b'{"prompt": "\\ud800", "max_tokens": 1}', _J, 400, "not valid JSON"),
+        (b'{"prompt": "x", "max_tokens": 1000000000000000000000}', _J, 400, "max_model_len"),
+        (b'{"prompt": "x", "max_tokens": 0}', _J, 400, "at least 1"),
+        (b'{"prompt": [], "max_tokens": 1}', _J, 400, "the prompt is empty"),
+        (b'{"prompt": [1000000000], "max_tokens": 1}', _J, 400, "outside the vocabulary"),
+        (b'{"prompt": "x", "max_tokens": 1, "pad": "' + b"a" * 40_000 + b'"}', _J, 413, "limit"),
+    ],
+)
+def test_malformed_bodies_get_a_clear_4xx(
+    small_body_limit: Any, content: bytes, headers: dict[str, str], status: int, says: str
+) -> None:
+    client, _, _ = small_body_limit
+    r = client.post("/v1/completions", content=content, headers={**headers, **auth()})
+    assert r.status_code == status, r.text
+    assert says in r.json()["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def small_body_limit(tiny_model_dir: Path) -> Any:
+    return _wire(
+        tiny_model_dir,
+        {"ingress": {"api_keys": {"ka": "alice"}, "max_body_bytes": 32 * 1024}},
+    )
+
+
+def test_chat_roles_and_content_parts_are_checked(wired: Any) -> None:
+    client, _, _ = wired
+    for msgs, param in (
+        ([{"role": "bogus", "content": "x"}], "messages.0.role"),
+        ([{"role": "user", "content": "x"}, {"role": 5, "content": "x"}], "messages.1.role"),
+        ([{"role": "user", "content": [{"type": "text", "text": 5}]}], "messages.0.content"),
+        ([], "messages"),
+    ):
+        r = client.post(
+            "/v1/chat/completions",
+            json={"model": "test", "messages": msgs, "max_tokens": 1},
+            headers=auth(),
+        )
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == param, r.text
+
+
+def test_json_depth() -> None:
+    from deployments.http_guard import json_depth
+
+    assert json_depth(1) == 0 and json_depth([]) == 1 and json_depth({"a": [1, {"b": []}]}) == 4
