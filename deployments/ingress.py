@@ -168,8 +168,9 @@ def _text_of(content: Any, where: str) -> str:
     try:
         content = list(content)  # vLLM's Iterable fields validate lazily, here
     except ValidationError as e:
-        first = e.errors()[0] if e.errors() else {}
-        raise RequestError(f"{where}: {first.get('msg', 'invalid content part')}", where) from None
+        errs = e.errors()
+        msg = errs[0]["msg"] if errs else "invalid content part"
+        raise RequestError(f"{where}: {msg}", where) from None
     parts = []
     for part in content:
         kind = part.get("type") if isinstance(part, dict) else None
