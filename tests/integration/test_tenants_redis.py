@@ -109,3 +109,47 @@ def test_a_dead_redis_is_a_named_fallback() -> None:
         await dead.aclose()
 
     asyncio.run(main())
+
+
+def test_pdserve_keys_new_list_revoke(tmp_path: Any, redis_url: str) -> None:
+    """The CLI's stores are the ones the ingress reads: a keys file and Redis."""
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from cluster.tenants import read_keys_file
+    from pdserve.cli import app as cli
+
+    run = CliRunner()
+    f = Path(tmp_path) / "keys.yaml"
+    r = run.invoke(cli, ["keys", "new", "alice", "--file", str(f)])
+    assert r.exit_code == 0, r.output
+    key = r.stdout.strip().splitlines()[-1]
+    assert read_keys_file(f) == {hash_key(key): "alice"} and key not in f.read_text()
+    assert run.invoke(cli, ["keys", "new", "bob", "--file", str(f)]).exit_code == 0
+    listed = run.invoke(cli, ["keys", "list", "--file", str(f)]).stdout
+    assert "alice\tsha256:" in listed and "bob\tsha256:" in listed
+    assert run.invoke(cli, ["keys", "revoke", "--key", key, "--file", str(f)]).exit_code == 0
+    assert set(read_keys_file(f).values()) == {"bob"}
+    assert run.invoke(cli, ["keys", "revoke", "--tenant", "zed", "--file", str(f)]).exit_code == 1
+    assert run.invoke(cli, ["keys", "new", "bad name", "--file", str(f)]).exit_code != 0
+    assert run.invoke(cli, ["keys", "hash", key]).stdout.strip() == hash_key(key)
+
+    app_name = f"cli{uuid.uuid4().hex[:6]}"
+    r = run.invoke(cli, ["keys", "new", "carol", "--redis", redis_url, "--app", app_name])
+    assert r.exit_code == 0, r.output
+    rkey = r.stdout.strip().splitlines()[-1]
+
+    async def lookup(ra: Any, _: Any) -> None:
+        store = KeyStore({}, redis=ra, app=app_name, cache_s=0.0)
+        assert await store.tenant(rkey) == "carol"
+
+    _run(redis_url, lookup)
+    h = hash_key(rkey)[7:23]
+    r = run.invoke(cli, ["keys", "revoke", "--hash", h, "--redis", redis_url, "--app", app_name])
+    assert r.exit_code == 0 and "revoked 1" in r.stdout
+
+    async def gone(ra: Any, _: Any) -> None:
+        assert await KeyStore({}, redis=ra, app=app_name, cache_s=0.0).tenant(rkey) is None
+
+    _run(redis_url, gone)
