@@ -97,6 +97,7 @@ class SimRequest:
     prompt_tokens: int
     block_hashes: tuple[int, ...] = ()
     labels: tuple[str, ...] = ()
+    tenant: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -385,6 +386,7 @@ class PrefillEngine:
                     cached_tokens=cached,
                     uncached_tokens=r.prompt_tokens - cached,
                     block_hashes=r.block_hashes,
+                    tenant=r.tenant,
                 )
             )
         return PrefillQueueView(tuple(views))

@@ -242,6 +242,19 @@ class IngressConfig(_Strict):
     health_timeout_s: float = Field(
         default=5.0, gt=0, le=600, description="Longest wait for one engine's readiness probe."
     )
+    max_n: int = Field(
+        default=128,
+        ge=1,
+        le=16384,
+        description="Largest n (choices per prompt) a request may ask for (OpenAI's is 128; "
+        "vLLM's 16,384).",
+    )
+    max_batch_prompts: int = Field(
+        default=128,
+        ge=1,
+        le=1024,
+        description="Most prompts in one completions request (vLLM's is 1,024).",
+    )
     max_body_bytes: int = Field(
         default=16 * 1024 * 1024,
         ge=1024,

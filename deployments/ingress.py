@@ -35,7 +35,7 @@ import math
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -538,6 +538,8 @@ class IngressCore:
             "refused": self.refused,
             "overhead_s": summarize(list(self.overhead_s)) if self.overhead_s else None,
             "phases_s": {k: summarize(list(v)) for k, v in self.phases.items() if v},
+            "rate_limits": {"backend": self.limiter.backend} | asdict(self.limiter.stats),
+            "keys": asdict(self.keys.stats),
         }
         if reset:
             self.overhead_s.clear()
@@ -663,6 +665,15 @@ class IngressCore:
             "pdserve.request", context=extract(request.headers), kind=SpanKind.SERVER
         )
         prompts = list(body.prompt or [])
+        cap = self.cfg.ingress.max_batch_prompts
+        if len(prompts) > cap:
+            return self._refused(
+                root,
+                "completions",
+                RequestError(
+                    f"prompt: {len(prompts)} prompts; at most {cap} per request", "prompt"
+                ),
+            )
         set_attrs(root, {"endpoint": "completions", "batch": len(prompts)})
         preps: list[Prepared] = []
         try:
@@ -762,6 +773,10 @@ class IngressCore:
     ) -> Prepared:
         self._check_model(body.model)
         refuse_unsupported(body)  # before tokenizing (a batch of prompts, say)
+        if body.n is not None and body.n > self.cfg.ingress.max_n:
+            raise RequestError(
+                f"n={body.n} is above this server's limit of {self.cfg.ingress.max_n}", "n"
+            )
         limits = self.cfg.tenants.limits(tenant)
         space = f"@{limits.cache_group}" if limits.cache_group else tenant
         salt = space if not body.cache_salt else f"{space}:{body.cache_salt}"

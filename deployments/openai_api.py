@@ -24,7 +24,6 @@ import math
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,70 +99,31 @@ class RequestError(ValueError):
 
 
 _FORBID = ConfigDict(extra="forbid")
-_STRICT_CHECK: ContextVar[bool] = ContextVar("pdserve_strict_check", default=False)
 
 #: Roles a chat message may have (vLLM also passes any other role to the chat template)
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
-class _StrictTypes(BaseModel):
-    """Strict types, at every depth: the body is first validated as JSON in pydantic's strict
-    mode (no string becomes a boolean or a number, no float an integer, in nested objects too),
-    then as vLLM validates it. vLLM's models coerce, so ``"stream": "yes"`` would stream and
-    ``"max_tokens": "5"`` would pass; here each is a 400 naming the field."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _strict_first(cls, data: Any) -> Any:
-        if isinstance(data, dict) and not _STRICT_CHECK.get():
-            try:
-                text = json.dumps(data)
-            except (TypeError, ValueError):  # not from a JSON body (Python callers)
-                return data
-            token = _STRICT_CHECK.set(True)
-            try:
-                cls.model_validate_json(text, strict=True)
-            finally:
-                _STRICT_CHECK.reset(token)
-        return data
-
-
-class CompletionRequest(_StrictTypes, _VllmCompletionRequest):
-    """``POST /v1/completions``: vLLM's request model, unknown fields refused."""
-
-    model_config = _FORBID
-    best_of: int | None = Field(
-        default=None, ge=1, description="OpenAI's; accepted when it equals n (vLLM V1 has none)."
-    )
-
-
-class ChatCompletionRequest(_StrictTypes, _VllmChatRequest):
-    """``POST /v1/chat/completions``: vLLM's request model, unknown fields refused, roles
-    among :data:`ROLES`."""
-
-    model_config = _FORBID
-
-    @model_validator(mode="before")
-    @classmethod
-    def _roles(cls, data: Any) -> Any:
-        return _check_roles(data)
-
-
-class TokenizeCompletionRequest(_StrictTypes, _VllmTokenizeCompletionRequest):
-    """``POST /tokenize`` with a ``prompt`` (vLLM's route)."""
-
-    model_config = _FORBID
-
-
-class TokenizeChatRequest(_StrictTypes, _VllmTokenizeChatRequest):
-    """``POST /tokenize`` with ``messages`` (vLLM's route)."""
-
-    model_config = _FORBID
-
-    @model_validator(mode="before")
-    @classmethod
-    def _roles(cls, data: Any) -> Any:
-        return _check_roles(data)
+def _strictly(shape: type[BaseModel], data: Any) -> Any:
+    """Strict types, at every depth: ``data`` (a JSON body) is first validated as JSON against
+    ``shape`` in pydantic's strict mode (no string becomes a boolean or a number, no float an
+    integer, in nested objects too), then as vLLM validates it. vLLM's models coerce, so
+    ``"stream": "yes"`` would stream and ``"max_tokens": "5"`` would pass; here each is a 400
+    naming the field. ``shape`` is the request model without this check (no recursion)."""
+    if isinstance(data, dict):
+        try:
+            text = json.dumps(data)
+        except (TypeError, ValueError):  # not from a JSON body (Python callers)
+            return data
+        try:
+            shape.model_validate_json(text, strict=True)
+        except (TypeError, AttributeError, KeyError) as e:
+            # a vLLM validator that assumed a type the schema did not check yet (e.g.
+            # "messages": null): a 400 saying so, not a 500
+            raise PydanticCustomError(
+                "invalid_type", "the body has a field of the wrong type: {e}", {"e": str(e)[:200]}
+            ) from None
+    return data
 
 
 def _check_roles(data: Any) -> Any:
@@ -180,10 +140,73 @@ def _check_roles(data: Any) -> Any:
     return data
 
 
-class DetokenizeRequest(_StrictTypes, _VllmDetokenizeRequest):
+class _CompletionShape(_VllmCompletionRequest):
+    model_config = _FORBID
+    best_of: int | None = Field(
+        default=None, ge=1, description="OpenAI's; accepted when it equals n (vLLM V1 has none)."
+    )
+
+
+class CompletionRequest(_CompletionShape):
+    """``POST /v1/completions``: vLLM's request model, unknown fields refused, types strict."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _strict(cls, data: Any) -> Any:
+        return _strictly(_CompletionShape, data)
+
+
+class _ChatShape(_VllmChatRequest):
+    model_config = _FORBID
+
+
+class ChatCompletionRequest(_ChatShape):
+    """``POST /v1/chat/completions``: vLLM's request model, unknown fields refused, types
+    strict, roles among :data:`ROLES`."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _strict(cls, data: Any) -> Any:
+        return _strictly(_ChatShape, _check_roles(data))
+
+
+class _TokenizeShape(_VllmTokenizeCompletionRequest):
+    model_config = _FORBID
+
+
+class TokenizeCompletionRequest(_TokenizeShape):
+    """``POST /tokenize`` with a ``prompt`` (vLLM's route)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _strict(cls, data: Any) -> Any:
+        return _strictly(_TokenizeShape, data)
+
+
+class _TokenizeChatShape(_VllmTokenizeChatRequest):
+    model_config = _FORBID
+
+
+class TokenizeChatRequest(_TokenizeChatShape):
+    """``POST /tokenize`` with ``messages`` (vLLM's route)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _strict(cls, data: Any) -> Any:
+        return _strictly(_TokenizeChatShape, _check_roles(data))
+
+
+class _DetokenizeShape(_VllmDetokenizeRequest):
+    model_config = _FORBID
+
+
+class DetokenizeRequest(_DetokenizeShape):
     """``POST /detokenize`` (vLLM's route)."""
 
-    model_config = _FORBID
+    @model_validator(mode="before")
+    @classmethod
+    def _strict(cls, data: Any) -> Any:
+        return _strictly(_DetokenizeShape, data)
 
 
 AnyRequest = CompletionRequest | ChatCompletionRequest

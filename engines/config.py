@@ -31,6 +31,12 @@ class EngineSchedulerConfig(BaseModel):
         "None: the scheduler class's default (FairwayScheduler: fairway; TWPScheduler: none, "
         "i.e. vLLM's own arrival order).",
     )
+    fair_share: bool = Field(
+        default=False,
+        description="Put the prefill policy inside a fair share among tenants, measured in "
+        "uncached prompt tokens (controllers.prefill.fairshare); off: the policy as the "
+        "paper has it.",
+    )
     fairway: FairwayConfig = Field(
         default_factory=FairwayConfig, description="Fairway's parameters (paper values)."
     )

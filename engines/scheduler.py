@@ -68,6 +68,7 @@ from controllers.prefill import (
     patience_s,
 )
 from controllers.prefill.fairway import FAST
+from controllers.prefill.registry import FAIR_SHARE_SUFFIX
 from controllers.profile import EngineProfile
 from engines.config import EngineSchedulerConfig, engine_config_from_vllm
 from engines.prefix_probe import PrefixProbe
@@ -152,6 +153,8 @@ class PdserveSchedulerMixin:
             raise ValueError("profile: the twp gate needs an engine profile (decode l_min, B0)")
         self.pd_config = cfg
         self.profile = profile
+        if name is not None and cfg.fair_share and not name.endswith(FAIR_SHARE_SUFFIX):
+            name += FAIR_SHARE_SUFFIX
         self.prefill: PrefillPolicy | None = (
             make_prefill_policy(name, profile, cfg.fairway) if name is not None else None
         )

@@ -11,6 +11,9 @@ from controllers.prefill.fairway import Fairway
 from controllers.prefill.xstep import FairwayXStep, XStepConfig
 from controllers.profile import EngineProfile
 
+#: A policy name with this suffix runs inside the tenant fair-share layer.
+FAIR_SHARE_SUFFIX = "+fair_share"
+
 Factory = Callable[[EngineProfile | None, FairwayConfig], PrefillPolicy]
 
 _FACTORIES: dict[str, Factory] = {
@@ -58,7 +61,15 @@ def prefill_policy_names() -> list[str]:
 def make_prefill_policy(
     name: str, profile: EngineProfile | None = None, config: FairwayConfig | None = None
 ) -> PrefillPolicy:
-    """Build a policy by name; an unknown name is an error that lists the known ones."""
+    """Build a policy by name; an unknown name is an error that lists the known ones.
+
+    ``NAME+fair_share`` is policy NAME inside :class:`TenantFairShare` (tenants' turns by
+    uncached tokens served)."""
+    if name.endswith(FAIR_SHARE_SUFFIX):
+        from controllers.prefill.fairshare import TenantFairShare
+
+        inner = make_prefill_policy(name[: -len(FAIR_SHARE_SUFFIX)], profile, config)
+        return TenantFairShare(inner)
     try:
         factory = _FACTORIES[name]
     except KeyError:

@@ -16,6 +16,8 @@ from tests.fixtures.ray_cluster import free_port
 
 APP = "pdserve"
 TENANT_KEYS = {"sk-alice": "alice", "sk-bob": "bob"}
+#: keys given to the app hashed only (tenants.key_hashes): carol and dave share a cache group
+HASHED_KEYS = {"sk-carol": "carol", "sk-dave": "dave", "sk-fuzz": "fuzz"}
 
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,13 +34,29 @@ def shipped_engine(role: str) -> dict[str, Any]:
 
 
 def pd_args(model_dir: Path, cache_dir: Path) -> dict[str, Any]:
-    """App args like the shipped YAML's (each replica picks free ports itself)."""
+    """App args like the shipped YAML's (each replica picks free ports itself), with tenants:
+    plain keys for alice and bob, hashed ones for carol and dave (one cache group), and a keys
+    file (``cache_dir/keys.yaml``) that tests may edit while the app runs."""
+    from cluster.tenants import hash_key, write_keys_file
+
+    keys_file = cache_dir / "keys.yaml"
+    write_keys_file(keys_file, {})
     return {
         "model": {"path": str(model_dir), "build_preset": None, "max_model_len": 2048},
         "cache_dir": str(cache_dir),
         "prefill": {"num_cpus": 1.0, "cpu_bind": "0", **shipped_engine("prefill")},
         "decode": {"num_cpus": 1.0, "cpu_bind": "1", **shipped_engine("decode")},
-        "ingress": {"num_cpus": 0.25, "api_keys": TENANT_KEYS},
+        "ingress": {"num_cpus": 0.25, "api_keys": TENANT_KEYS, "max_n": 4},
+        "tenants": {
+            "key_hashes": {hash_key(k): t for k, t in HASHED_KEYS.items()},
+            "keys_file": str(keys_file),
+            "by_name": {
+                "carol": {"cache_group": "acme"},
+                "dave": {"cache_group": "acme", "max_tokens": 4},
+                # fuzzed requests stay small: a few tokens out, short prompts
+                "fuzz": {"max_tokens": 4, "max_context_tokens": 256},
+            },
+        },
     }
 
 
@@ -85,5 +103,6 @@ def pd_app(
         "prefill": serve.get_deployment_handle("prefill", app_name=APP),
         "decode": serve.get_deployment_handle("decode", app_name=APP),
         "keys": TENANT_KEYS,
+        "keys_file": Path(args["tenants"]["keys_file"]),
     }
     serve.delete(APP)

@@ -115,6 +115,83 @@ def test_unknown_key_is_401(pd_app: dict[str, Any]) -> None:
         client(pd_app, key="sk-nobody").completions.create(model="test", prompt="hi", max_tokens=1)
 
 
+def test_cache_groups_share_hits_and_other_tenants_see_none(pd_app: dict[str, Any]) -> None:
+    """vLLM's own cached-token counts: carol's prompt is a hit for dave (one cache group, keys
+    given to the app hashed only), never for alice, whose first try is a miss."""
+    prompt = "group check " + LONG_PROMPT
+
+    def cached(key: str) -> int:
+        out = client(pd_app, key=key).completions.create(
+            model="test", prompt=prompt, max_tokens=2, temperature=0
+        )
+        assert out.usage is not None and out.usage.prompt_tokens_details is not None
+        return int(out.usage.prompt_tokens_details.cached_tokens or 0)
+
+    assert cached("sk-carol") == 0
+    assert cached("sk-dave") >= 128  # carol's blocks, shared through the group
+    assert cached("sk-alice") == 0  # the same prompt, another tenant: no hit, no timing signal
+    # dave's cap on max_tokens holds on the live app, with the field named
+    r = httpx.post(
+        f"{pd_app['url']}/v1/completions",
+        json={"model": "test", "prompt": "hi", "max_tokens": 5},
+        headers={"Authorization": "Bearer sk-dave"},
+        timeout=60,
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+def test_a_key_is_added_and_revoked_without_a_restart(pd_app: dict[str, Any]) -> None:
+    from typer.testing import CliRunner
+
+    from pdserve.cli import app as cli
+
+    f = str(pd_app["keys_file"])
+    r = CliRunner().invoke(cli, ["keys", "new", "erin", "--file", f])
+    assert r.exit_code == 0, r.output
+    key = r.stdout.strip().splitlines()[-1]
+
+    def status() -> int:
+        body = {"model": "test", "prompt": "hi", "max_tokens": 1}
+        h = {"Authorization": f"Bearer {key}"}
+        return httpx.post(
+            f"{pd_app['url']}/v1/completions", json=body, headers=h, timeout=60
+        ).status_code
+
+    wait_for(lambda: status() == 200, "the new key works")
+    assert (
+        CliRunner().invoke(cli, ["keys", "revoke", "--tenant", "erin", "--file", f]).exit_code == 0
+    )
+    wait_for(lambda: status() == 401, "the revoked key is refused")
+
+
+def test_fuzzing_the_api_from_its_schema_gets_no_5xx(pd_app: dict[str, Any]) -> None:
+    """schemathesis over every operation of /openapi.json, bodies the schema allows and bodies
+    it forbids, as the capped "fuzz" tenant: every answer is a 2xx or a 4xx, none hangs, and
+    the app still serves a plain request afterwards."""
+    from bench.fuzz_api import fuzz
+
+    rep = fuzz(pd_app["url"], "sk-fuzz", examples=12, progress=False, timeout_s=120)
+    assert rep.cases >= 8 * 2 * 6  # every operation, both modes (hypothesis may dedupe a few)
+    assert rep.server_errors == 0, rep.failures[:3]
+    assert all(s < 500 for s in rep.by_status)
+    assert sum(n for s, n in rep.by_status.items() if 400 <= s < 500) > 0  # negatives refused
+    assert sum(n for s, n in rep.by_status.items() if s < 300) > 0  # positives served
+    out = client(pd_app).completions.create(model="test", prompt="hi", max_tokens=2)
+    assert out.usage is not None and out.usage.completion_tokens == 2
+
+
+def wait_for(cond: Any, what: str, timeout_s: float = 30.0) -> None:
+    """Poll the live app (a bounded wait on a real system, not a timing assertion)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.3)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for: {what}")
+
+
 def test_greedy_pd_equals_single_engine_and_kv_is_transferred(pd_app: dict[str, Any]) -> None:
     from deployments.protocol import EngineRequest, Sampling
 

@@ -18,11 +18,14 @@ from typing import Any
 import httpx
 import pytest
 
+from cluster.tenants import hash_key
 from tests.e2e.conftest import shipped_engine
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 APP = "pdcluster"
+KEY, LIMITED_KEY = "sk-cluster", "sk-limited"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 BLOCK = 128
 WAIT_S = 30.0  # bound on every awaited state of the live app
 
@@ -40,6 +43,11 @@ def cluster_args(model_dir: Path, cache_dir: Path, backend: str, redis_url: str 
         "decode": {"num_cpus": 1.0, "cpu_bind": "1", **shipped_engine("decode")},
         "ingress": {"num_replicas": 2 if backend == "redis" else 1, "num_cpus": 0.25},
         "index": {"backend": backend, **({"redis_url": redis_url} if redis_url else {})},
+        # every call sends KEY; the "limited" tenant's bucket is shared by both ingress replicas
+        "tenants": {
+            "key_hashes": {hash_key(KEY): "cluster", hash_key(LIMITED_KEY): "limited"},
+            "by_name": {"limited": {"requests_per_second": 0.001, "burst_requests": 4}},
+        },
         # a hot spot on this tiny model is a few hundred queued tokens, not thousands
         "routing": {"policy": "prefix_load", "hotspot_slack_tokens": 256},
     }
@@ -78,7 +86,7 @@ def wait_until(cond: Callable[[], bool], what: str, timeout_s: float = WAIT_S) -
 
 
 def stats(app: dict[str, Any]) -> dict[str, Any]:
-    r = httpx.get(f"{app['url']}/v1/pdserve/stats", timeout=30)
+    r = httpx.get(f"{app['url']}/v1/pdserve/stats", headers=AUTH, timeout=30)
     r.raise_for_status()
     return dict(r.json())
 
@@ -103,14 +111,14 @@ def followed(app: dict[str, Any]) -> list[str]:
 
 def complete(app: dict[str, Any], ids: list[int], max_tokens: int = 2) -> dict[str, Any]:
     body = {"model": "test", "prompt": ids, "max_tokens": max_tokens, "temperature": 0}
-    r = httpx.post(f"{app['url']}/v1/completions", json=body, timeout=120)
+    r = httpx.post(f"{app['url']}/v1/completions", json=body, headers=AUTH, timeout=120)
     assert r.status_code == 200, r.text
     return dict(r.json())
 
 
 def matches(app: dict[str, Any], ids: list[int]) -> dict[str, int]:
     body = {"model": "test", "prompt": ids, "max_tokens": 1}
-    r = httpx.post(f"{app['url']}/v1/pdserve/route", json=body, timeout=30)
+    r = httpx.post(f"{app['url']}/v1/pdserve/route", json=body, headers=AUTH, timeout=30)
     r.raise_for_status()
     return dict(r.json()["matches"] or {})
 
@@ -156,7 +164,7 @@ def test_a_burst_of_one_prefix_is_spread_by_the_hotspot_guard(cluster: dict[str,
     before = {r["id"]: r["requests"] for r in stats(cluster)["replicas"]["prefill"]}
 
     async def burst() -> list[dict[str, Any]]:
-        async with httpx.AsyncClient(timeout=300) as c:
+        async with httpx.AsyncClient(timeout=300, headers=AUTH) as c:
 
             async def one(i: int) -> dict[str, Any]:
                 ids = base[: 6 * BLOCK] + prompt(1000 + i, 1, tail=0)
@@ -184,6 +192,35 @@ def test_a_burst_of_one_prefix_is_spread_by_the_hotspot_guard(cluster: dict[str,
         ),
         "the replicas' own counts cover the burst",
     )
+
+
+def test_a_tenants_rate_limit_holds_across_ingress_replicas(cluster: dict[str, Any]) -> None:
+    """ "limited" may send 4 requests at once, then one per 1000 s. With Redis both ingress
+    replicas draw from one bucket: 4 of 12 pass in all (in memory, each replica has its own)."""
+    if cluster["backend"] != "redis":
+        pytest.skip("limits shared across ingress replicas need Redis")
+    body = {"model": "test", "prompt": [11, 12, 13], "max_tokens": 1}
+    h = {"Authorization": f"Bearer {LIMITED_KEY}"}
+    got = [
+        httpx.post(f"{cluster['url']}/v1/completions", json=body, headers=h, timeout=120)
+        for _ in range(12)
+    ]
+    codes = [r.status_code for r in got]
+    assert codes.count(200) == 4 and codes.count(429) == 8, codes
+    assert all(900 < int(r.headers["retry-after"]) <= 1000 for r in got if r.status_code == 429)
+    refused = sum(s["ingress"]["rate_limits"]["refused"] for s in every_ingress(cluster).values())
+    assert refused == 8 and len(every_ingress(cluster)) == 2
+
+
+def every_ingress(app: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each ingress replica's stats (the proxy picks which replica answers a call)."""
+    seen: dict[str, dict[str, Any]] = {}
+    for _ in range(60):
+        s = stats(app)
+        seen[s["ingress"]["replica"]] = s
+        if len(seen) == 2:
+            break
+    return seen
 
 
 def test_the_hit_is_found_whichever_ingress_takes_the_request(cluster: dict[str, Any]) -> None:

@@ -538,6 +538,7 @@ def test_chat_roles_and_content_parts_are_checked(wired: Any) -> None:
         ([{"role": "user", "content": "x"}, {"role": 5, "content": "x"}], "messages.1.role"),
         ([{"role": "user", "content": [{"type": "text", "text": 5}]}], "messages.0.content"),
         ([], "messages"),
+        (None, None),  # vLLM's own validators would raise TypeError (a 500) on it
     ):
         r = client.post(
             "/v1/chat/completions",

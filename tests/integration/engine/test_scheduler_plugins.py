@@ -233,3 +233,28 @@ def test_state_is_published_on_the_named_channel(pd_engine: PdEngine, tmp_path: 
     finally:
         reader.close()
         pd_engine.configure(prefill_policy="fcfs")  # closes the channel
+
+
+def test_fair_share_lets_a_light_tenant_through_a_flood(pd_engine: PdEngine) -> None:
+    """Tenant A floods the queue with 16 misses, then tenant B sends 2 (tenants travel as
+    vLLM's cache_salt, as the ingress sends them). Under Fairway alone B waits behind the
+    whole flood (older misses go first); inside the fair share B's requests are among the
+    first few, by vLLM's own first-token times."""
+    rng = random.Random(7)
+    ahead: dict[bool, int] = {}
+    for fair in (False, True):
+        sched = pd_engine.configure(prefill_policy="fairway", fair_share=fair)
+        assert sched.prefill.name == ("fairway+fair_share" if fair else "fairway")
+        flood = [f"a{i}" for i in range(16)]
+        for rid in flood:
+            pd_engine.add(rid, _tokens(rng, 384), max_tokens=1, cache_salt="A")
+        for rid in ("b0", "b1"):
+            pd_engine.add(rid, _tokens(rng, 384), max_tokens=1, cache_salt="B")
+        run = pd_engine.drain()
+        last_b = max(run.first_token_ts(b) for b in ("b0", "b1"))
+        ahead[fair] = sum(1 for a in flood if run.first_token_ts(a) < last_b)
+        if fair:
+            served = sched.prefill.state.served
+            assert served["A"] > 0 and served["B"] >= 2 * 384  # charged from scheduled tokens
+    assert ahead[False] >= 14, ahead
+    assert ahead[True] <= 3, ahead

@@ -1,0 +1,123 @@
+"""Fair shares among tenants at the prefill queue, measured in uncached prompt tokens.
+
+An optional outer layer over any prefill policy (Fairway by default; off unless configured,
+so Fairway runs as the paper has it). The inner policy orders each tenant's own requests; this
+layer decides whose turn it is, so a tenant that floods the queue cannot push another
+tenant's requests back by more than its own share of the compute.
+
+It is deficit round-robin in its virtual-time form (start-time fair queuing, as in SFQ and
+the "virtual token counter" of fair LLM serving): each tenant has ``served``, the prefill tokens
+the engine computed for it; the next request goes to the backlogged tenant with the least
+``served`` plus what it was already given in this order. The unit is the paper's work charge
+``c_r = max(1, uncached tokens)``, so a cached prompt costs its tenant little. Choices, where
+the papers are silent:
+
+- ``served`` moves only on what the engine *actually* scheduled (``observe_step``: the
+  tokens of each step per request), never on a plan that was not carried out;
+- a tenant that returns after being idle starts at the least ``served`` among the tenants
+  backlogged then, less ``burst_credit_tokens`` (and never below its own ``served``): SFQ
+  gives no credit for idle time, so a light tenant's burst of a few requests would be served
+  at half speed behind a flooding one; a bounded credit lets the burst through at once, while
+  the credit caps how far it can jump ahead (the flooding tenant still gets everything the
+  light one leaves). ``burst_credit_tokens=0`` is plain SFQ. Ties go to the tenant that just
+  joined (the others' next request starts after the one they have in service, as SFQ's start
+  tags have it);
+- a tenant is the request's ``tenant`` up to the first ``:`` (the ingress's cache namespace:
+  the tenant, or its cache group, then the request's own ``cache_salt``); tenants sharing a
+  cache group share a share;
+- equal weights.
+
+State is explicit (``served``, ``backlogged``); ``order`` changes only the backlog bookkeeping.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from controllers.prefill.base import PrefillPolicy, PrefillQueueView, PrefillRequestView
+
+
+def tenant_key(tenant: str) -> str:
+    """The fair-share key of a request's ``tenant`` (see the module docstring)."""
+    return tenant.split(":", 1)[0]
+
+
+@dataclass
+class FairShareState:
+    """Tokens served per tenant, the tenants backlogged at the last ``order``, and which
+    tenant each recently queued request belongs to (to charge ``observe_step``'s tokens)."""
+
+    served: dict[str, float] = field(default_factory=dict)
+    backlogged: frozenset[str] = frozenset()
+    owner: dict[str, str] = field(default_factory=dict)
+
+
+class TenantFairShare:
+    """``inner``'s order within each tenant; tenants' turns by least tokens served."""
+
+    def __init__(
+        self,
+        inner: PrefillPolicy,
+        burst_credit_tokens: float = 16384.0,
+        state: FairShareState | None = None,
+    ) -> None:
+        if burst_credit_tokens < 0:
+            raise ValueError(f"burst_credit_tokens must be >= 0, got {burst_credit_tokens}")
+        self.inner = inner
+        self.burst_credit_tokens = burst_credit_tokens
+        self.name = f"{inner.name}+fair_share"
+        self.state = state or FairShareState()
+        self._inner_observe = getattr(inner, "observe_step", None)
+
+    def order(self, queue: PrefillQueueView, now: float) -> list[str]:
+        inner = self.inner.order(queue, now)
+        by_id = {r.request_id: r for r in queue.requests}
+        lanes: dict[str, deque[PrefillRequestView]] = {}
+        for rid in inner:
+            r = by_id[rid]
+            lanes.setdefault(tenant_key(r.tenant), deque()).append(r)
+        joined = self._join(frozenset(lanes))
+        st = self.state
+        for r in queue.requests:
+            st.owner[r.request_id] = tenant_key(r.tenant)
+        # ties go to a tenant that just joined: the others' next request starts after the
+        # one they have in service (SFQ's start tags), a joiner's at the current floor
+        heap = [(st.served.get(t, 0.0), 0 if t in joined else 1, t) for t in lanes]
+        heapq.heapify(heap)
+        out: list[str] = []
+        while heap:
+            given, _, t = heapq.heappop(heap)
+            r = lanes[t].popleft()
+            out.append(r.request_id)
+            if lanes[t]:
+                heapq.heappush(heap, (given + r.work, 1, t))
+        return out
+
+    def _join(self, now_backlogged: frozenset[str]) -> frozenset[str]:
+        """Tenants newly backlogged start at the least ``served`` of those that stayed;
+        returns the newcomers."""
+        st = self.state
+        stayed = now_backlogged & st.backlogged
+        joined = now_backlogged - st.backlogged
+        if stayed:
+            floor = min(st.served.get(t, 0.0) for t in stayed) - self.burst_credit_tokens
+            for t in joined:
+                st.served[t] = max(st.served.get(t, 0.0), floor)
+        st.backlogged = now_backlogged
+        return joined
+
+    def observe_step(self, scheduled: Sequence[tuple[str, int]], now: float) -> None:
+        """Charge each tenant the tokens the engine computed for it this step."""
+        st = self.state
+        for rid, n in scheduled:
+            t = st.owner.get(rid)
+            if t is not None:
+                st.served[t] = st.served.get(t, 0.0) + n
+        if len(st.owner) > 100_000:  # requests long gone: keep the newest half
+            for rid in list(st.owner)[: len(st.owner) // 2]:
+                del st.owner[rid]
+        if self._inner_observe is not None:
+            self._inner_observe(list(scheduled), now)

@@ -1,0 +1,109 @@
+"""The tenant fair-share layer over a prefill policy (pure): turns by uncached tokens served,
+charges from what the engine scheduled, a bounded credit for a tenant that returns, and the
+inner policy's order kept within each tenant."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+from hypothesis import given
+
+from controllers.prefill import PrefillQueueView, PrefillRequestView, make_prefill_policy
+from controllers.prefill.baselines import FCFS
+from controllers.prefill.fairshare import TenantFairShare, tenant_key
+
+
+def req(
+    rid: str, tenant: str, arrival: float, uncached: int, cached: int = 0
+) -> PrefillRequestView:
+    return PrefillRequestView(
+        request_id=rid,
+        arrival_s=arrival,
+        prompt_tokens=uncached + cached,
+        patience_s=1.0,
+        cached_tokens=cached,
+        uncached_tokens=uncached,
+        tenant=tenant,
+    )
+
+
+def q(*rs: PrefillRequestView) -> PrefillQueueView:
+    return PrefillQueueView.of(rs)
+
+
+def test_turns_go_by_uncached_tokens_not_by_request_count() -> None:
+    """A's requests cost 1,000 tokens, B's 500: B gets two turns for each of A's."""
+    fs = TenantFairShare(FCFS(), burst_credit_tokens=0)
+    queue = q(
+        req("a1", "A", 0.0, 1000),
+        req("a2", "A", 0.1, 1000),
+        req("a3", "A", 0.2, 1000),
+        req("b1", "B", 0.3, 500),
+        req("b2", "B", 0.4, 500),
+        req("b3", "B", 0.5, 500),
+        req("b4", "B", 0.6, 500),
+    )
+    # both start at 0 (a tie, by name): a1; then B at 0 < 1000: b1, b2 (1000 = A's 1000,
+    # A wins the tie by name), a2, then b3, b4 (B at 1000, 1500 < A's 2000), a3
+    assert fs.order(queue, 1.0) == ["a1", "b1", "b2", "a2", "b3", "b4", "a3"]
+
+
+def test_served_moves_only_on_what_the_engine_scheduled() -> None:
+    fs = TenantFairShare(FCFS(), burst_credit_tokens=0)
+    queue = q(req("a1", "A", 0.0, 1000), req("b1", "B", 0.1, 1000))
+    assert fs.order(queue, 1.0)[0] == "a1"
+    assert fs.state.served == {}  # ordering charges nothing
+    fs.observe_step([("a1", 600)], 1.1)  # a chunk of a1 ran
+    assert fs.state.served == {"A": 600.0}
+    assert fs.order(q(req("b1", "B", 0.1, 1000), req("a2", "A", 0.2, 10)), 1.2)[0] == "b1"
+    fs.observe_step([("unknown", 99)], 1.3)  # a request it never saw: nobody is charged
+    assert fs.state.served == {"A": 600.0}
+
+
+def test_a_returning_tenant_gets_a_bounded_credit_not_its_idle_time() -> None:
+    fs = TenantFairShare(FCFS(), burst_credit_tokens=2000)
+    flood = [req(f"a{i}", "A", i * 0.01, 1000) for i in range(20)]
+    fs.order(q(*flood), 1.0)
+    fs.observe_step([(f"a{i}", 1000) for i in range(10)], 2.0)  # A got 10,000 tokens alone
+    backlog = flood[10:]
+    b = [req(f"b{i}", "B", 3.0 + i * 0.01, 1000) for i in range(5)]
+    order = fs.order(q(*backlog, *b), 3.1)
+    # B joins at A's 10,000 - 2,000: its credit buys two requests first, then they alternate
+    assert order[:5] == ["b0", "b1", "a10", "b2", "a11"]
+    assert fs.state.served["B"] == 8000.0
+    # with no credit (plain SFQ) B joins at A's level and wins only the tie
+    sfq = TenantFairShare(FCFS(), burst_credit_tokens=0)
+    sfq.order(q(*flood), 1.0)
+    sfq.observe_step([(f"a{i}", 1000) for i in range(10)], 2.0)
+    assert sfq.order(q(*backlog, *b), 3.1)[:4] == ["b0", "a10", "a11", "b1"]
+
+
+def test_inner_order_is_kept_within_a_tenant_and_cache_salts_fold_into_it() -> None:
+    fw = make_prefill_policy("fairway+fair_share")
+    assert isinstance(fw, TenantFairShare) and fw.name == "fairway+fair_share"
+    assert tenant_key("alice:s1") == "alice" and tenant_key("@acme") == "@acme"
+    queue = q(
+        req("miss", "alice:s1", 0.0, 4000),
+        req("hit", "alice", 0.5, 50, cached=3950),  # Fairway's Fast lane puts it first
+        req("b", "bob", 0.2, 100),
+    )
+    order = fw.order(queue, 1.0)
+    alice = [r for r in order if r != "b"]
+    assert alice == [r for r in fw.inner.order(queue, 1.0) if r != "b"]
+
+
+@given(
+    st.lists(
+        st.tuples(st.sampled_from("ABC"), st.integers(1, 5000), st.floats(0, 10)),
+        min_size=1,
+        max_size=40,
+    )
+)
+def test_every_request_exactly_once_and_one_tenant_is_the_inner_order(
+    items: list[tuple[str, int, float]],
+) -> None:
+    queue = q(*(req(f"r{i}", t, a, w) for i, (t, w, a) in enumerate(items)))
+    fs = TenantFairShare(FCFS())
+    order = fs.order(queue, 11.0)
+    assert sorted(order) == sorted(r.request_id for r in queue.requests)
+    one = q(*(req(f"r{i}", "A", a, w) for i, (_, w, a) in enumerate(items)))
+    assert TenantFairShare(FCFS()).order(one, 11.0) == FCFS().order(one, 11.0)
