@@ -294,6 +294,7 @@ def run_engine_flood(
                     "b_p99_vs_alone": p99 / ref if ref else float("nan"),
                     "a_finished": sum(1 for k in got if k.startswith("A")),
                     "a_sent": sum(1 for x in arrivals if x[1].startswith("A")),
+                    **_step_costs(sched.records),
                 }
             )
             ttfts[name] = bt
@@ -312,3 +313,17 @@ def run_engine_flood(
         }
     finally:
         eng.engine_core.shutdown()
+
+
+def _step_costs(records: Any) -> dict[str, float]:
+    """Mean waiting queue, our scheduling hook's and the whole step's time per engine step
+    (the plug-in's own records): where a long backlog costs the engine time."""
+    recs = list(records)
+    if not recs:
+        return {"steps": 0}
+    return {
+        "steps": len(recs),
+        "waiting_mean": float(np.mean([r.waiting for r in recs])),
+        "hook_ms_mean": 1000 * float(np.mean([r.hook_s for r in recs])),
+        "step_ms_mean": 1000 * float(np.mean([r.step_s for r in recs])),
+    }

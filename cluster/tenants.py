@@ -31,7 +31,7 @@ import os
 import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -233,7 +233,6 @@ class LimiterStats:
     refused: int = 0
     refunds: int = 0
     redis_fallbacks: int = 0
-    by_tenant_refused: dict[str, int] = field(default_factory=dict)
 
 
 # KEYS: one per bucket; ARGV: rate, capacity, cost per bucket. Checks every bucket first and
@@ -324,8 +323,7 @@ class RateLimiter:
         if v.allowed:
             self.stats.allowed += 1
         else:
-            self.stats.refused += 1
-            self.stats.by_tenant_refused[tenant] = self.stats.by_tenant_refused.get(tenant, 0) + 1
+            self.stats.refused += 1  # per tenant: the pdserve_rate_limited metric
         return v
 
     def _admit_memory(self, tenant: str, charges: Sequence[Charge]) -> Verdict:

@@ -572,7 +572,7 @@ class IngressCore:
         """Where the request would be routed: the index's answer, without running it."""
         self._ensure_started()
         try:
-            prep = await self.prepare(request, body)
+            prep = await self.prepare(request, body, charge=False)  # nothing runs: no limit
         except RequestError as e:
             return _error(e)
         hint = await self.route(prep)
@@ -751,14 +751,18 @@ class IngressCore:
 
     # -- phases --------------------------------------------------------------------------
     async def prepare(
-        self, request: Request, body: CompletionRequest | ChatCompletionRequest
+        self,
+        request: Request,
+        body: CompletionRequest | ChatCompletionRequest,
+        charge: bool = True,
     ) -> Prepared:
-        """Auth, validation, tokenization and block hashes; raises :class:`RequestError`."""
+        """Auth, validation, tokenization, block hashes and (``charge``) the tenant's rate
+        limits; raises :class:`RequestError`."""
         t0 = time.monotonic()
         chat = isinstance(body, ChatCompletionRequest)
         tenant = await self.tenant(request)
         try:
-            return await self._prepare(request, body, tenant, t0, chat)
+            return await self._prepare(request, body, tenant, t0, chat, charge)
         except RequestError as e:
             e.tenant = tenant
             raise
@@ -770,6 +774,7 @@ class IngressCore:
         tenant: str,
         t0: float,
         chat: bool,
+        charge: bool,
     ) -> Prepared:
         self._check_model(body.model)
         refuse_unsupported(body)  # before tokenizing (a batch of prompts, say)
@@ -840,7 +845,8 @@ class IngressCore:
             prep.extra["prompt_text"] = text
         if body.return_token_ids:
             prep.extra["prompt_token_ids"] = list(ids)
-        await self.admit(prep)
+        if charge:
+            await self.admit(prep)
         prep.timing["prepare"] = time.monotonic() - t0
         return prep
 

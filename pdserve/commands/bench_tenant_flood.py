@@ -51,10 +51,13 @@ def bench_tenant_flood(
     typer.echo(f"[measured] capacity {res['capacity_rps']:.1f} req/s")
     typer.echo(
         table(
-            ["run", "B sent", "B done", "B p50 s", "B p99 s", "B p99 / alone", "A sent", "A done"],
+            ["run", "B sent", "B done", "B p50 s", "B p99 s", "B p99 / alone", "A sent",
+             "A done", "waiting", "hook ms", "step ms"],
             [
                 [r["run"], r["b_requests"], r["b_finished"], f"{r['b_p50_s']:.3f}",
-                 f"{r['b_p99_s']:.3f}", f"{r['b_p99_vs_alone']:.2f}", r["a_sent"], r["a_finished"]]
+                 f"{r['b_p99_s']:.3f}", f"{r['b_p99_vs_alone']:.2f}", r["a_sent"], r["a_finished"],
+                 f"{r.get('waiting_mean', 0):.0f}", f"{r.get('hook_ms_mean', 0):.1f}",
+                 f"{r.get('step_ms_mean', 0):.1f}"]
                 for r in res["rows"]
             ],
         )

@@ -111,6 +111,10 @@ def _wire(tiny_model_dir: Path, extra: dict[str, Any]) -> Any:
     async def health() -> Any:
         return await core.health()
 
+    @app.post("/route")
+    async def route(request: Request, body: CompletionRequest) -> Any:
+        return await core.explain(request, body)
+
     @app.get("/stats")
     async def stats(reset: bool = False) -> Any:
         return await core.stats(reset=reset)
@@ -361,6 +365,7 @@ def tenanted(tiny_model_dir: Path) -> Any:
                     hash_key("k-bob"): "bob",
                     hash_key("k-carol"): "carol",
                     hash_key("k-dave"): "dave",
+                    hash_key("k-erin"): "erin",
                 },
                 "default": {"max_tokens": 50, "max_context_tokens": 40},
                 "by_name": {
@@ -368,6 +373,7 @@ def tenanted(tiny_model_dir: Path) -> Any:
                     "bob": {"tokens_per_minute": 100},
                     "carol": {"cache_group": "acme"},
                     "dave": {"cache_group": "acme", "max_tokens": 8},
+                    "erin": {"requests_per_second": 0.001, "burst_requests": 1},
                 },
             }
         },
@@ -553,3 +559,12 @@ def test_json_depth() -> None:
     from deployments.http_guard import json_depth
 
     assert json_depth(1) == 0 and json_depth([]) == 1 and json_depth({"a": [1, {"b": []}]}) == 4
+
+
+def test_explaining_a_route_takes_nothing_from_the_limits(tenanted: Any) -> None:
+    client, _, _ = tenanted
+    body = {"model": "test", "prompt": "hello", "max_tokens": 1}
+    for _ in range(3):
+        assert client.post("/route", json=body, headers=auth("k-erin")).status_code == 200
+    assert client.post("/v1/completions", json=body, headers=auth("k-erin")).status_code == 200
+    assert client.post("/v1/completions", json=body, headers=auth("k-erin")).status_code == 429

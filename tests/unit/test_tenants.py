@@ -126,7 +126,7 @@ def test_memory_limiter_takes_all_charges_or_none() -> None:
     assert asyncio.run(lim.admit("a", [Charge("tokens", tok, 60)])).allowed
     # another tenant has its own buckets
     assert asyncio.run(lim.admit("b", [Charge("requests", req, 1)])).allowed
-    assert lim.stats.refused == 2 and lim.stats.by_tenant_refused == {"a": 2}
+    assert lim.stats.refused == 2 and lim.stats.allowed == 4
 
 
 def test_tenant_limits_merge_and_name_bad_fields() -> None:
