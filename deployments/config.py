@@ -222,8 +222,9 @@ class IngressConfig(_Strict):
     )
     api_keys: dict[str, str] = Field(
         default_factory=dict,
-        description="Plain API key -> tenant name, for development (hashed at start and never "
-        "kept; production: tenants.key_hashes or tenants.keys_file). No key source at all: "
+        description="Plain API key -> tenant name, for development (the keys sit in the "
+        "config in the clear; production: tenants.key_hashes or tenants.keys_file). No key "
+        "source at all: "
         "every request is tenant 'anonymous'. Each tenant's prompts get their own cache "
         "salt, so tenants never share KV blocks unless tenants.*.cache_group says so.",
     )
