@@ -261,6 +261,24 @@ class IngressConfig(_Strict):
     health_timeout_s: float = Field(
         default=5.0, gt=0, le=600, description="Longest wait for one engine's readiness probe."
     )
+    max_queued_requests_per_replica: int = Field(
+        default=128,
+        ge=1,
+        le=1_000_000,
+        description="Overload bound: prefill requests queued or in flight per prefill replica "
+        "(this ingress's own count, or the replicas' reported queues when larger); above it "
+        "a new request gets 503 with Retry-After at once.",
+    )
+    max_queued_uncached_tokens_per_replica: int = Field(
+        default=262_144,
+        ge=1,
+        le=10**9,
+        description="Overload bound: uncached prompt tokens queued per prefill replica (about "
+        "10 s of prefill work for the test model on 2 CPU cores); above it a 503.",
+    )
+    overload_retry_after_s: int = Field(
+        default=1, ge=1, le=3600, description="Retry-After (s) of an overload 503."
+    )
     max_n: int = Field(
         default=128,
         ge=1,

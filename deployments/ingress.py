@@ -314,6 +314,9 @@ class Prepared:
     parent: Any = None
     #: the tenant's tokens bucket and the output tokens reserved in it (given back unused)
     reserved: tuple[Bucket, int] | None = None
+    #: uncached prompt tokens this request counts in the ingress's prefill queue while its
+    #: prefill runs (None: not counted)
+    queued_tokens: int | None = None
 
 
 #: Statistics of the directory reports shown per replica in ``/v1/pdserve/stats``.
@@ -389,6 +392,12 @@ class IngressCore:
         }
         self.requests = 0
         self.refused = 0
+        #: overload control: prompts in flight at the prefill from this ingress, their
+        #: uncached tokens, the most ever in flight, and the 503s given
+        self._inflight_prefill = 0
+        self._inflight_uncached = 0
+        self.inflight_peak = 0
+        self.overload_refused = 0
 
     # -- background: follow the prefill replicas ---------------------------------------------
     def _ensure_started(self) -> None:
@@ -481,6 +490,45 @@ class IngressCore:
             self._background.add(task)
             task.add_done_callback(self._background.discard)
 
+    def admit_prefill(self, parts: list[tuple[Prepared, RouteHint]]) -> None:
+        """Overload control: refuse with 503 and ``Retry-After`` when these prompts would take
+        the prefill queue past its bounds (``ingress.max_queued_*_per_replica`` times the
+        prefill replicas). The queue is the larger of this ingress's own requests in flight
+        at the prefill and what the replicas last reported, so a refusal costs nothing and
+        nothing admitted is slowed. Admitted prompts count as in flight until their prefill
+        returns (:meth:`run_prefill`); no ``await`` between check and count."""
+        ing = self.cfg.ingress
+        reports = self.directories["prefill"].snapshot()
+        n = max(1, len(reports))
+        reported_req = sum(int(r.get("waiting") or 0) for r in reports.values())
+        reported_tok = sum(int(r.get("queued_uncached_tokens") or 0) for r in reports.values())
+        queued = max(self._inflight_prefill, reported_req)
+        tokens = max(self._inflight_uncached, reported_tok)
+        add_req = len(parts)
+        add_tok = sum(_uncached(prep, hint) for prep, hint in parts)
+        cap_req = ing.max_queued_requests_per_replica * n
+        cap_tok = ing.max_queued_uncached_tokens_per_replica * n
+        what = None
+        if queued + add_req > cap_req:
+            what = f"{queued} requests queued at {n} prefill replica(s) (bound {cap_req})"
+        elif tokens > 0 and tokens + add_tok > cap_tok:
+            what = f"{tokens} uncached prompt tokens queued at {n} prefill replica(s) (bound {cap_tok})"
+        if what is not None:
+            self.overload_refused += 1
+            wait = ing.overload_retry_after_s
+            raise RequestError(
+                f"overloaded: {what}; retry after {wait} s",
+                None,
+                status=503,
+                headers={"Retry-After": str(wait)},
+                code="overloaded",
+            )
+        for prep, hint in parts:
+            prep.queued_tokens = _uncached(prep, hint)
+        self._inflight_prefill += add_req
+        self._inflight_uncached += add_tok
+        self.inflight_peak = max(self.inflight_peak, self._inflight_prefill)
+
     # -- endpoints -----------------------------------------------------------------------
     async def health(self) -> JSONResponse:
         self._ensure_started()
@@ -538,6 +586,12 @@ class IngressCore:
             "refused": self.refused,
             "overhead_s": summarize(list(self.overhead_s)) if self.overhead_s else None,
             "phases_s": {k: summarize(list(v)) for k, v in self.phases.items() if v},
+            "prefill_queue": {
+                "in_flight": self._inflight_prefill,
+                "uncached_tokens": self._inflight_uncached,
+                "peak": self.inflight_peak,
+                "overload_refused": self.overload_refused,
+            },
             "rate_limits": {"backend": self.limiter.backend} | asdict(self.limiter.stats),
             "keys": asdict(self.keys.stats),
         }
@@ -630,6 +684,7 @@ class IngressCore:
         )
         span.end()
         try:
+            self.admit_prefill([(prep, hint)])
             pre = await self.run_prefill(prep, hint)
         except RequestError as e:
             return self._failed(prep, e)
@@ -690,6 +745,10 @@ class IngressCore:
         for prep in preps:
             prep.parent = root  # every prompt's engine calls are children of the root
         hints = [await self.route(prep) for prep in preps]
+        try:
+            self.admit_prefill(list(zip(preps, hints, strict=True)))
+        except RequestError as e:
+            return self._failed(preps[0], e, also=preps[1:])
 
         async def prefill(prep: Prepared, hint: RouteHint) -> EngineChunk:
             _own_serve_request_id()  # this task's calls: this prompt's own request id
@@ -867,6 +926,15 @@ class IngressCore:
     async def run_prefill(self, prep: Prepared, hint: RouteHint) -> EngineChunk:
         """One output token on the routed prefill replica; 502/504 as :class:`RequestError`."""
         span = child(self.tracer, "pdserve.prefill", prep.parent)
+        try:
+            return await self._run_prefill(prep, hint, span)
+        finally:
+            if prep.queued_tokens is not None:  # admitted by admit_prefill: out of the queue
+                self._inflight_prefill -= 1
+                self._inflight_uncached -= prep.queued_tokens
+                prep.queued_tokens = None
+
+    async def _run_prefill(self, prep: Prepared, hint: RouteHint, span: Any) -> EngineChunk:
         req = _engine_request(prep, span, route=hint)
         t = time.monotonic()
         call = self.prefill.prefill.remote(req)
@@ -1154,10 +1222,15 @@ class IngressCore:
         )
         return _error(e)
 
-    def _failed(self, prep: Prepared, e: RequestError) -> JSONResponse:
+    def _failed(
+        self, prep: Prepared, e: RequestError, also: list[Prepared] | None = None
+    ) -> JSONResponse:
         """A request that failed after ``prepare``: its metric and trace end, its error body
-        (its reserved output tokens go back to its tenant)."""
+        (its reserved output tokens go back to its tenant, and those of the batch's other
+        prompts in ``also``)."""
         self._give_back(prep, 0)
+        for other in also or ():
+            self._give_back(other, 0)
         self.metrics.inc(
             "pdserve_requests", tenant=prep.tenant, endpoint=_endpoint(prep), status=str(e.status)
         )
@@ -1172,6 +1245,11 @@ class IngressCore:
         if status >= 400:
             span.set_status(Status(StatusCode.ERROR, message))
         span.end()
+
+
+def _uncached(prep: Prepared, hint: RouteHint) -> int:
+    """The prompt tokens the prefill will compute: all but the best prefix the index saw."""
+    return max(0, len(prep.ids) - max((hint.matches or {}).values(), default=0))
 
 
 def _tenancy(cfg: AppConfig, app: str) -> tuple[KeyStore, RateLimiter]:

@@ -15,6 +15,8 @@ import pytest
 from tests.fixtures.ray_cluster import free_port
 
 APP = "pdserve"
+#: the app's overload bound: prefill requests in flight per prefill replica (one replica)
+QUEUE_BOUND = 40
 TENANT_KEYS = {"sk-alice": "alice", "sk-bob": "bob"}
 #: keys given to the app hashed only (tenants.key_hashes): carol and dave share a cache group
 HASHED_KEYS = {"sk-carol": "carol", "sk-dave": "dave", "sk-fuzz": "fuzz"}
@@ -46,7 +48,12 @@ def pd_args(model_dir: Path, cache_dir: Path) -> dict[str, Any]:
         "cache_dir": str(cache_dir),
         "prefill": {"num_cpus": 1.0, "cpu_bind": "0", **shipped_engine("prefill")},
         "decode": {"num_cpus": 1.0, "cpu_bind": "1", **shipped_engine("decode")},
-        "ingress": {"num_cpus": 0.25, "api_keys": TENANT_KEYS, "max_n": 4},
+        "ingress": {
+            "num_cpus": 0.25,
+            "api_keys": TENANT_KEYS,
+            "max_n": 4,
+            "max_queued_requests_per_replica": QUEUE_BOUND,
+        },
         "tenants": {
             "key_hashes": {hash_key(k): t for k, t in HASHED_KEYS.items()},
             "keys_file": str(keys_file),

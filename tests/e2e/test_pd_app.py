@@ -180,6 +180,42 @@ def test_fuzzing_the_api_from_its_schema_gets_no_5xx(pd_app: dict[str, Any]) -> 
     assert out.usage is not None and out.usage.completion_tokens == 2
 
 
+def test_over_the_queue_bound_requests_get_503_and_the_admitted_all_complete(
+    pd_app: dict[str, Any],
+) -> None:
+    """200 requests of 1,500 fresh tokens at once against a bound of 40 in flight at the one
+    prefill replica: the ones over the bound get 503 with Retry-After, every admitted one
+    completes with all its tokens, and the bound was never passed."""
+    from tests.e2e.conftest import QUEUE_BOUND
+
+    async def burst() -> list[httpx.Response]:
+        limits = httpx.Limits(max_connections=256)
+        async with httpx.AsyncClient(timeout=300, limits=limits) as c:
+
+            async def one(i: int) -> httpx.Response:
+                ids = [(i * 7919 + k * 104729) % 1400 + 20 for k in range(1500)]
+                body = {"model": "test", "prompt": ids, "max_tokens": 3, "ignore_eos": True}
+                h = {"Authorization": "Bearer sk-bob"}
+                return await c.post(f"{pd_app['url']}/v1/completions", json=body, headers=h)
+
+            return list(await asyncio.gather(*(one(i) for i in range(200))))
+
+    got = asyncio.run(burst())
+    codes = [r.status_code for r in got]
+    assert set(codes) <= {200, 503}, codes
+    assert codes.count(503) > 0 and codes.count(200) >= QUEUE_BOUND
+    for r in got:
+        if r.status_code == 503:
+            assert int(r.headers["retry-after"]) >= 1
+            assert r.json()["error"]["type"] == "overloaded_error"
+        else:
+            assert r.json()["usage"]["completion_tokens"] == 3
+    s = httpx.get(f"{pd_app['url']}/v1/pdserve/stats", timeout=30).json()["ingress"]
+    assert s["prefill_queue"]["peak"] <= QUEUE_BOUND
+    assert s["prefill_queue"]["in_flight"] == 0  # every admitted slot came back
+    assert s["prefill_queue"]["overload_refused"] >= codes.count(503)
+
+
 def wait_for(cond: Any, what: str, timeout_s: float = 30.0) -> None:
     """Poll the live app (a bounded wait on a real system, not a timing assertion)."""
     import time

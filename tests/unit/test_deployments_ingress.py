@@ -37,6 +37,7 @@ class FakeEngine:
         self.is_ready = ready
         self.fail_after: int | None = None  # raise after this many chunks (an engine failure)
         self.refuse: str | None = None  # refuse requests' parameters, naming this field
+        self.gate: Any = None  # an asyncio.Event the prefill waits on (a slow engine)
         self.seen: list[EngineRequest] = []
         self.prefill = _Remote(self._prefill)
         self.decode = _Remote(self._decode)
@@ -48,6 +49,8 @@ class FakeEngine:
 
     async def _prefill(self, req: EngineRequest) -> EngineChunk:
         self.seen.append(req)
+        if self.gate is not None:
+            await self.gate.wait()
         if self.refuse:
             raise EngineRefused(f"{self.refuse} is out of range", self.refuse)
         if self.fail_after == 0:
@@ -568,3 +571,58 @@ def test_explaining_a_route_takes_nothing_from_the_limits(tenanted: Any) -> None
         assert client.post("/route", json=body, headers=auth("k-erin")).status_code == 200
     assert client.post("/v1/completions", json=body, headers=auth("k-erin")).status_code == 200
     assert client.post("/v1/completions", json=body, headers=auth("k-erin")).status_code == 429
+
+
+@pytest.fixture(scope="module")
+def bounded(tiny_model_dir: Path) -> Any:
+    return _wire(
+        tiny_model_dir,
+        {
+            "ingress": {
+                "api_keys": {"ka": "alice"},
+                "max_queued_requests_per_replica": 3,
+                "overload_retry_after_s": 2,
+            }
+        },
+    )
+
+
+def test_over_the_queue_bound_a_503_at_once_and_the_admitted_all_complete(bounded: Any) -> None:
+    """The prefill engine is stuck: 3 requests are admitted and wait; the next 4 get 503 with
+    Retry-After at once (while the 3 still wait); released, the 3 complete, and a new request
+    is admitted again."""
+    import asyncio
+
+    import httpx
+
+    client, pre, _ = bounded
+
+    async def run() -> tuple[list[int], list[httpx.Response], int]:
+        pre.gate = asyncio.Event()
+        transport = httpx.ASGITransport(app=client.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+
+            async def one(i: int) -> httpx.Response:
+                body = {"model": "test", "prompt": f"request {i}", "max_tokens": 2}
+                return await c.post("/v1/completions", json=body, headers=auth())
+
+            admitted = [asyncio.create_task(one(i)) for i in range(3)]
+            while len(pre.seen) < 3:  # all three reached the (stuck) prefill
+                await asyncio.sleep(0.01)
+            refused = [await one(10 + i) for i in range(4)]  # answered while the 3 wait
+            assert not any(t.done() for t in admitted)
+            pre.gate.set()
+            done = [(await t).status_code for t in admitted]
+            pre.gate = None
+            after = (await one(99)).status_code
+        return done, refused, after
+
+    done, refused, after = asyncio.run(run())
+    assert done == [200, 200, 200] and after == 200
+    for r in refused:
+        assert r.status_code == 503 and r.headers["retry-after"] == "2"
+        err = r.json()["error"]
+        assert err["type"] == "overloaded_error" and "3 requests queued" in err["message"]
+    s = client.get("/stats").json()["ingress"]["prefill_queue"]
+    assert s["in_flight"] == 0 and s["uncached_tokens"] == 0  # every slot came back
+    assert s["peak"] == 3 and s["overload_refused"] == 4
