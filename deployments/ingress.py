@@ -490,6 +490,11 @@ class IngressCore:
             self._background.add(task)
             task.add_done_callback(self._background.discard)
 
+    def _refuse_when_full(self) -> None:
+        """The cheap half of :meth:`admit_prefill`, before any tokenizing: a 503 when the
+        prefill queue is already at its request bound."""
+        self._overloaded(0, 0)
+
     def admit_prefill(self, parts: list[tuple[Prepared, RouteHint]]) -> None:
         """Overload control: refuse with 503 and ``Retry-After`` when these prompts would take
         the prefill queue past its bounds (``ingress.max_queued_*_per_replica`` times the
@@ -497,6 +502,18 @@ class IngressCore:
         at the prefill and what the replicas last reported, so a refusal costs nothing and
         nothing admitted is slowed. Admitted prompts count as in flight until their prefill
         returns (:meth:`run_prefill`); no ``await`` between check and count."""
+        add_req = len(parts)
+        add_tok = sum(_uncached(prep, hint) for prep, hint in parts)
+        self._overloaded(add_req, add_tok)
+        for prep, hint in parts:
+            prep.queued_tokens = _uncached(prep, hint)
+        self._inflight_prefill += add_req
+        self._inflight_uncached += add_tok
+        self.inflight_peak = max(self.inflight_peak, self._inflight_prefill)
+
+    def _overloaded(self, add_req: int, add_tok: int) -> None:
+        """Raise the overload 503 when ``add_req`` more prompts (``add_tok`` uncached tokens)
+        would pass a bound (``add_req=0``: when the request bound is already reached)."""
         ing = self.cfg.ingress
         reports = self.directories["prefill"].snapshot()
         n = max(1, len(reports))
@@ -504,14 +521,12 @@ class IngressCore:
         reported_tok = sum(int(r.get("queued_uncached_tokens") or 0) for r in reports.values())
         queued = max(self._inflight_prefill, reported_req)
         tokens = max(self._inflight_uncached, reported_tok)
-        add_req = len(parts)
-        add_tok = sum(_uncached(prep, hint) for prep, hint in parts)
         cap_req = ing.max_queued_requests_per_replica * n
         cap_tok = ing.max_queued_uncached_tokens_per_replica * n
         what = None
-        if queued + add_req > cap_req:
+        if queued + max(1, add_req) > cap_req:
             what = f"{queued} requests queued at {n} prefill replica(s) (bound {cap_req})"
-        elif tokens > 0 and tokens + add_tok > cap_tok:
+        elif add_tok and tokens > 0 and tokens + add_tok > cap_tok:
             what = f"{tokens} uncached prompt tokens queued at {n} prefill replica(s) (bound {cap_tok})"
         if what is not None:
             self.overload_refused += 1
@@ -523,11 +538,6 @@ class IngressCore:
                 headers={"Retry-After": str(wait)},
                 code="overloaded",
             )
-        for prep, hint in parts:
-            prep.queued_tokens = _uncached(prep, hint)
-        self._inflight_prefill += add_req
-        self._inflight_uncached += add_tok
-        self.inflight_peak = max(self.inflight_peak, self._inflight_prefill)
 
     # -- endpoints -----------------------------------------------------------------------
     async def health(self) -> JSONResponse:
@@ -835,6 +845,8 @@ class IngressCore:
         chat: bool,
         charge: bool,
     ) -> Prepared:
+        if charge:
+            self._refuse_when_full()  # before tokenizing: a refusal under overload is cheap
         self._check_model(body.model)
         refuse_unsupported(body)  # before tokenizing (a batch of prompts, say)
         if body.n is not None and body.n > self.cfg.ingress.max_n:
