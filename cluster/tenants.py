@@ -70,7 +70,12 @@ def read_keys_file(path: Path) -> dict[str, str]:
     import yaml
 
     text = path.read_text()
-    data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as e:
+        raise ValueError(
+            f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {e}"
+        ) from None
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -88,11 +88,15 @@ def test_key_store_config_hashes_and_file_reload(tmp_path: Path) -> None:
     clock.t += 1.5
     assert who(kc) == "carol" and who(kb) is None
     assert store.stats.file_reloads == 1
-    # a broken file keeps the last good keys
+    # a broken file keeps the last good keys: a bad entry, then text that is not YAML
     f.write_text("sha256:nothex: carol\n")
     os.utime(f, (clock.t + 9, clock.t + 9))
     clock.t += 1.5
     assert who(kc) == "carol" and store.stats.file_errors == 1
+    f.write_text("{: [unclosed\n")
+    os.utime(f, (clock.t + 19, clock.t + 19))
+    clock.t += 1.5
+    assert who(kc) == "carol" and store.stats.file_errors == 2
 
 
 def test_keys_file_errors_name_the_entry(tmp_path: Path) -> None:
