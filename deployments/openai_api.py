@@ -25,7 +25,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from openai.types import Completion, CompletionChoice
 from openai.types.chat import ChatCompletion, ChatCompletionChunk, ChatCompletionMessage
@@ -140,6 +140,24 @@ def _check_roles(data: Any) -> Any:
     return data
 
 
+class _StrictTypes(BaseModel):
+    """Mixin of the request models: the body is checked by :func:`_strictly` against the
+    model's *shape* (the next class in its MRO, the same model without this check), after
+    :func:`_check_roles` for models that carry ``messages`` (``checks_roles``)."""
+
+    checks_roles: ClassVar[bool] = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _strict(cls, data: Any) -> Any:
+        shape = next(
+            b
+            for b in cls.__mro__[1:]
+            if issubclass(b, BaseModel) and not issubclass(b, _StrictTypes)
+        )
+        return _strictly(shape, _check_roles(data) if cls.checks_roles else data)
+
+
 class _CompletionShape(_VllmCompletionRequest):
     model_config = _FORBID
     best_of: int | None = Field(
@@ -147,66 +165,45 @@ class _CompletionShape(_VllmCompletionRequest):
     )
 
 
-class CompletionRequest(_CompletionShape):
+class CompletionRequest(_StrictTypes, _CompletionShape):
     """``POST /v1/completions``: vLLM's request model, unknown fields refused, types strict."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _strict(cls, data: Any) -> Any:
-        return _strictly(_CompletionShape, data)
 
 
 class _ChatShape(_VllmChatRequest):
     model_config = _FORBID
 
 
-class ChatCompletionRequest(_ChatShape):
+class ChatCompletionRequest(_StrictTypes, _ChatShape):
     """``POST /v1/chat/completions``: vLLM's request model, unknown fields refused, types
     strict, roles among :data:`ROLES`."""
 
-    @model_validator(mode="before")
-    @classmethod
-    def _strict(cls, data: Any) -> Any:
-        return _strictly(_ChatShape, _check_roles(data))
+    checks_roles = True
 
 
 class _TokenizeShape(_VllmTokenizeCompletionRequest):
     model_config = _FORBID
 
 
-class TokenizeCompletionRequest(_TokenizeShape):
+class TokenizeCompletionRequest(_StrictTypes, _TokenizeShape):
     """``POST /tokenize`` with a ``prompt`` (vLLM's route)."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _strict(cls, data: Any) -> Any:
-        return _strictly(_TokenizeShape, data)
 
 
 class _TokenizeChatShape(_VllmTokenizeChatRequest):
     model_config = _FORBID
 
 
-class TokenizeChatRequest(_TokenizeChatShape):
+class TokenizeChatRequest(_StrictTypes, _TokenizeChatShape):
     """``POST /tokenize`` with ``messages`` (vLLM's route)."""
 
-    @model_validator(mode="before")
-    @classmethod
-    def _strict(cls, data: Any) -> Any:
-        return _strictly(_TokenizeChatShape, _check_roles(data))
+    checks_roles = True
 
 
 class _DetokenizeShape(_VllmDetokenizeRequest):
     model_config = _FORBID
 
 
-class DetokenizeRequest(_DetokenizeShape):
+class DetokenizeRequest(_StrictTypes, _DetokenizeShape):
     """``POST /detokenize`` (vLLM's route)."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _strict(cls, data: Any) -> Any:
-        return _strictly(_DetokenizeShape, data)
 
 
 AnyRequest = CompletionRequest | ChatCompletionRequest
