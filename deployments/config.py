@@ -36,7 +36,6 @@ ENV_CACHE_DIR = "PDSERVE_CACHE_DIR"
 ENV_REDIS_URL = "PDSERVE_REDIS_URL"
 
 DEFAULT_CACHE_DIR = "~/.cache/pdserve"
-TENANT_NAME = TENANT_PATTERN
 
 
 class _Strict(BaseModel):
@@ -311,12 +310,14 @@ class IngressConfig(_Strict):
     @field_validator("api_keys")
     @classmethod
     def _keys(cls, v: dict[str, str]) -> dict[str, str]:
+        """Checked here rather than typed as ``TenantName``: pydantic's error would carry the
+        offending entry's location, which is the plain key."""
         import re
 
         bad = [k for k, t in v.items() if not k.strip() or not t.strip()]
         if bad:
             raise ValueError("API keys and tenant names must be non-empty")
-        name = next((t for t in v.values() if not re.match(TENANT_NAME, t)), None)
+        name = next((t for t in v.values() if not re.match(TENANT_PATTERN, t)), None)
         if name is not None:
             raise ValueError(f"tenant {name!r}: letters, digits, '_', '.', '-' only")
         return v
@@ -325,7 +326,7 @@ class IngressConfig(_Strict):
 TenantName = Annotated[
     str,
     Field(
-        pattern=TENANT_NAME,
+        pattern=TENANT_PATTERN,
         description="A tenant (or cache group) name: letters, digits, '_', '.', '-'.",
     ),
 ]

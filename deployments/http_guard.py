@@ -45,10 +45,16 @@ def json_depth(obj: Any) -> int:
     return deepest
 
 
-def _error_body(status: int, message: str) -> bytes:
-    kind = "invalid_request_error"
+def _error_body(message: str) -> bytes:
     return json.dumps(
-        {"error": {"message": message, "type": kind, "param": None, "code": None}}
+        {
+            "error": {
+                "message": message,
+                "type": "invalid_request_error",
+                "param": None,
+                "code": None,
+            }
+        }
     ).encode()
 
 
@@ -131,7 +137,7 @@ def _check_json(raw: bytes, max_depth: int) -> str | None:
 
 
 async def _refuse(send: Any, status: int, message: str) -> None:
-    body = _error_body(status, message)
+    body = _error_body(message)
     await send(
         {
             "type": "http.response.start",

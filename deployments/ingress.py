@@ -490,11 +490,6 @@ class IngressCore:
             self._background.add(task)
             task.add_done_callback(self._background.discard)
 
-    def _refuse_when_full(self) -> None:
-        """The cheap half of :meth:`admit_prefill`, before any tokenizing: a 503 when the
-        prefill queue is already at its request bound."""
-        self._overloaded(0, 0)
-
     def admit_prefill(self, parts: list[tuple[Prepared, RouteHint]]) -> None:
         """Overload control: refuse with 503 and ``Retry-After`` when these prompts would take
         the prefill queue past its bounds (``ingress.max_queued_*_per_replica`` times the
@@ -503,10 +498,11 @@ class IngressCore:
         nothing admitted is slowed. Admitted prompts count as in flight until their prefill
         returns (:meth:`run_prefill`); no ``await`` between check and count."""
         add_req = len(parts)
-        add_tok = sum(_uncached(prep, hint) for prep, hint in parts)
+        tokens = [_uncached(prep, hint) for prep, hint in parts]
+        add_tok = sum(tokens)
         self._overloaded(add_req, add_tok)
-        for prep, hint in parts:
-            prep.queued_tokens = _uncached(prep, hint)
+        for (prep, _), n in zip(parts, tokens, strict=True):
+            prep.queued_tokens = n
         self._inflight_prefill += add_req
         self._inflight_uncached += add_tok
         self.inflight_peak = max(self.inflight_peak, self._inflight_prefill)
@@ -846,7 +842,7 @@ class IngressCore:
         charge: bool,
     ) -> Prepared:
         if charge:
-            self._refuse_when_full()  # before tokenizing: a refusal under overload is cheap
+            self._overloaded(0, 0)  # before tokenizing: a refusal under overload is cheap
         self._check_model(body.model)
         refuse_unsupported(body)  # before tokenizing (a batch of prompts, say)
         if body.n is not None and body.n > self.cfg.ingress.max_n:
