@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +65,17 @@ def pd_args(model_dir: Path, cache_dir: Path) -> dict[str, Any]:
             },
         },
     }
+
+
+def wait_until(cond: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
+    """Poll the live app until ``cond()`` (a bounded wait on a real system, not a timing
+    assertion)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for: {what}")
 
 
 def wait_ready(url: str, timeout_s: float) -> None:

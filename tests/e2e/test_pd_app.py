@@ -9,6 +9,8 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.e2e.conftest import wait_until
+
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 LONG_PROMPT = " ".join(f"tok{i % 97} passage {i}" for i in range(160))  # > 2 KV blocks
@@ -157,11 +159,11 @@ def test_a_key_is_added_and_revoked_without_a_restart(pd_app: dict[str, Any]) ->
             f"{pd_app['url']}/v1/completions", json=body, headers=h, timeout=60
         ).status_code
 
-    wait_for(lambda: status() == 200, "the new key works")
+    wait_until(lambda: status() == 200, "the new key works")
     assert (
         CliRunner().invoke(cli, ["keys", "revoke", "--tenant", "erin", "--file", f]).exit_code == 0
     )
-    wait_for(lambda: status() == 401, "the revoked key is refused")
+    wait_until(lambda: status() == 401, "the revoked key is refused")
 
 
 def test_fuzzing_the_api_from_its_schema_gets_no_5xx(pd_app: dict[str, Any]) -> None:
@@ -214,18 +216,6 @@ def test_over_the_queue_bound_requests_get_503_and_the_admitted_all_complete(
     assert s["prefill_queue"]["peak"] <= QUEUE_BOUND
     assert s["prefill_queue"]["in_flight"] == 0  # every admitted slot came back
     assert s["prefill_queue"]["overload_refused"] >= codes.count(503)
-
-
-def wait_for(cond: Any, what: str, timeout_s: float = 30.0) -> None:
-    """Poll the live app (a bounded wait on a real system, not a timing assertion)."""
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.3)
-    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for: {what}")
 
 
 def test_greedy_pd_equals_single_engine_and_kv_is_transferred(pd_app: dict[str, Any]) -> None:

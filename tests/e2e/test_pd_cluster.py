@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ import httpx
 import pytest
 
 from cluster.tenants import hash_key
-from tests.e2e.conftest import shipped_engine
+from tests.e2e.conftest import shipped_engine, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -27,7 +26,6 @@ APP = "pdcluster"
 KEY, LIMITED_KEY = "sk-cluster", "sk-limited"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 BLOCK = 128
-WAIT_S = 30.0  # bound on every awaited state of the live app
 
 
 def cluster_args(model_dir: Path, cache_dir: Path, backend: str, redis_url: str | None) -> Any:
@@ -74,34 +72,28 @@ def cluster(
     serve.delete(APP)
 
 
-def wait_until(cond: Callable[[], bool], what: str, timeout_s: float = WAIT_S) -> None:
-    """Poll the live app until ``cond()`` (a bounded wait on a real system, not a timing
-    assertion)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for: {what}")
-
-
 def stats(app: dict[str, Any]) -> dict[str, Any]:
     r = httpx.get(f"{app['url']}/v1/pdserve/stats", headers=AUTH, timeout=30)
     r.raise_for_status()
     return dict(r.json())
 
 
-def hotspots(app: dict[str, Any]) -> int:
-    """``hotspot`` fallbacks summed over every ingress replica's router (each ingress routes
-    its share of the traffic; the proxy picks which one answers a stats call)."""
+def every_ingress(app: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each ingress replica's stats (the proxy picks which replica answers a call)."""
     n_ingress = 2 if app["backend"] == "redis" else 1
-    seen: dict[str, int] = {}
-    for _ in range(50):
+    seen: dict[str, dict[str, Any]] = {}
+    for _ in range(60):
         s = stats(app)
-        seen[s["ingress"]["replica"]] = int(s["router"]["fallbacks"].get("hotspot", 0))
+        seen[s["ingress"]["replica"]] = s
         if len(seen) == n_ingress:
             break
-    return sum(seen.values())
+    return seen
+
+
+def hotspots(app: dict[str, Any]) -> int:
+    """``hotspot`` fallbacks summed over every ingress replica's router (each ingress routes
+    its share of the traffic)."""
+    return sum(int(s["router"]["fallbacks"].get("hotspot", 0)) for s in every_ingress(app).values())
 
 
 def followed(app: dict[str, Any]) -> list[str]:
@@ -210,17 +202,6 @@ def test_a_tenants_rate_limit_holds_across_ingress_replicas(cluster: dict[str, A
     assert all(900 < int(r.headers["retry-after"]) <= 1000 for r in got if r.status_code == 429)
     refused = sum(s["ingress"]["rate_limits"]["refused"] for s in every_ingress(cluster).values())
     assert refused == 8 and len(every_ingress(cluster)) == 2
-
-
-def every_ingress(app: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Each ingress replica's stats (the proxy picks which replica answers a call)."""
-    seen: dict[str, dict[str, Any]] = {}
-    for _ in range(60):
-        s = stats(app)
-        seen[s["ingress"]["replica"]] = s
-        if len(seen) == 2:
-            break
-    return seen
 
 
 def test_the_hit_is_found_whichever_ingress_takes_the_request(cluster: dict[str, Any]) -> None:
