@@ -257,6 +257,14 @@ class IngressConfig(_Strict):
     engine_timeout_s: float = Field(
         default=120.0, gt=0, le=3600, description="Longest wait for one engine call before a 504."
     )
+    request_timeout_s: float = Field(
+        default=600.0,
+        gt=0,
+        le=86_400,
+        description="Deadline of one request from its arrival: past it the client gets a 504 "
+        "(mid-stream: an SSE error event, then [DONE]) and both engines abort the request. A "
+        "client may ask for less with the X-Request-Timeout header (seconds).",
+    )
     health_timeout_s: float = Field(
         default=5.0, gt=0, le=600, description="Longest wait for one engine's readiness probe."
     )

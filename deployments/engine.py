@@ -157,6 +157,8 @@ class InProcessEngine:
         self._stop = False
         self._sinks: dict[str, Callable[[Any], None]] = {}
         self.failure: BaseException | None = None
+        #: requests aborted in the engine because their caller went (cancelled, a deadline)
+        self.aborted = 0
         self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
         self._thread.start()
 
@@ -252,6 +254,7 @@ class InProcessEngine:
             def cleanup() -> None:
                 if not finished:
                     self.engine.abort_request([request_id])
+                    self.aborted += 1
                 for k in keys:  # outputs carry the external id: drop the internal one too
                     self._sinks.pop(k, None)
 
@@ -755,6 +758,7 @@ class EngineReplica:
             "requests": self.requests,
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,
+            "requests_aborted": self.engine.aborted,
             **self.counters.as_dict(),
         }
 
@@ -769,6 +773,7 @@ class EngineReplica:
             "role": self.role,
             "replica_id": self.replica_id,
             "hash_mode": self.hash_mode,
+            "requests_aborted": self.engine.aborted,
             **self.counters.as_dict(),
         }
         if self.feed is not None:

@@ -101,6 +101,8 @@ api = FastAPI(title="pdserve", description="OpenAI-compatible prefill/decode ser
 api.add_middleware(BodyGuard)
 
 ANONYMOUS = "anonymous"
+#: the request header by which a client asks for a shorter deadline (seconds)
+TIMEOUT_HEADER = "X-Request-Timeout"
 
 
 def _error(e: RequestError) -> JSONResponse:
@@ -317,6 +319,9 @@ class Prepared:
     #: uncached prompt tokens this request counts in the ingress's prefill queue while its
     #: prefill runs (None: not counted)
     queued_tokens: int | None = None
+    #: the request's deadline (monotonic seconds): ``ingress.request_timeout_s`` from its
+    #: arrival, or less when the client asked (``X-Request-Timeout``)
+    deadline: float = math.inf
 
 
 #: Statistics of the directory reports shown per replica in ``/v1/pdserve/stats``.
@@ -335,6 +340,7 @@ _REPORT_KEYS = (
     "external_hits",
     "prefix_hits",
     "kv_load_failures",
+    "requests_aborted",
 )
 
 
@@ -398,6 +404,8 @@ class IngressCore:
         self._inflight_uncached = 0
         self.inflight_peak = 0
         self.overload_refused = 0
+        #: requests answered 504 because their deadline passed (both engines aborted them)
+        self.deadline_exceeded = 0
 
     # -- background: follow the prefill replicas ---------------------------------------------
     def _ensure_started(self) -> None:
@@ -598,6 +606,7 @@ class IngressCore:
                 "peak": self.inflight_peak,
                 "overload_refused": self.overload_refused,
             },
+            "deadline_exceeded": self.deadline_exceeded,
             "rate_limits": {"backend": self.limiter.backend} | asdict(self.limiter.stats),
             "keys": asdict(self.keys.stats),
         }
@@ -827,10 +836,44 @@ class IngressCore:
         chat = isinstance(body, ChatCompletionRequest)
         tenant = await self.tenant(request)
         try:
-            return await self._prepare(request, body, tenant, t0, chat, charge)
+            timeout_s = self._timeout_of(request)
+            prep = await self._prepare(request, body, tenant, t0, chat, charge)
         except RequestError as e:
             e.tenant = tenant
             raise
+        prep.deadline = t0 + timeout_s
+        return prep
+
+    def _timeout_of(self, request: Request) -> float:
+        """The request's time budget: ``ingress.request_timeout_s``, or less when the client
+        sends ``X-Request-Timeout: SECONDS`` (more is held at the server's; not a number or
+        not positive: 400 naming the header)."""
+        cap = self.cfg.ingress.request_timeout_s
+        raw = request.headers.get(TIMEOUT_HEADER)
+        if raw is None:
+            return cap
+        try:
+            asked = float(raw)
+        except ValueError:
+            asked = math.nan
+        if not math.isfinite(asked) or asked <= 0:
+            raise RequestError(
+                f"{TIMEOUT_HEADER}: {raw[:40]!r} is not a positive number of seconds",
+                TIMEOUT_HEADER,
+            )
+        return min(asked, cap)
+
+    def _deadline_error(self, prep: Prepared, phase: str) -> RequestError:
+        """The 504 of a request whose deadline passed in ``phase`` (counted)."""
+        self.deadline_exceeded += 1
+        self.metrics.inc("pdserve_deadline_exceeded", tenant=prep.tenant, phase=phase)
+        budget = prep.deadline - prep.t0
+        return RequestError(
+            f"the request's deadline ({budget:g} s) passed during {phase}",
+            None,
+            status=504,
+            code="deadline_exceeded",
+        )
 
     async def _prepare(
         self,
@@ -945,9 +988,16 @@ class IngressCore:
     async def _run_prefill(self, prep: Prepared, hint: RouteHint, span: Any) -> EngineChunk:
         req = _engine_request(prep, span, route=hint)
         t = time.monotonic()
+        left = prep.deadline - t
+        if left <= 0:
+            span.end()
+            raise self._deadline_error(prep, "prefill")
+        by_deadline = left < self.cfg.ingress.engine_timeout_s
         call = self.prefill.prefill.remote(req)
         try:
-            pre: EngineChunk = await asyncio.wait_for(call, self.cfg.ingress.engine_timeout_s)
+            pre: EngineChunk = await asyncio.wait_for(
+                call, min(left, self.cfg.ingress.engine_timeout_s)
+            )
             prep.timing["prefill"] = time.monotonic() - t - pre.engine_s
             set_attrs(
                 span,
@@ -959,7 +1009,9 @@ class IngressCore:
             )
             return pre
         except TimeoutError:
-            _cancel(call)  # or the prefill runs on and holds KV blocks nobody will read
+            _cancel(call)  # the replica aborts it: no prefill runs on for nobody
+            if by_deadline:
+                raise self._deadline_error(prep, "prefill") from None
             raise RequestError("prefill timed out", None, status=504) from None
         except Exception as e:  # the engine refused (400) or failed: a gateway error, not a 500
             raise _engine_error("prefill", prep, e) from None
@@ -967,9 +1019,10 @@ class IngressCore:
             span.end()
 
     async def decode_chunks(self, prep: Prepared, pre: EngineChunk) -> AsyncIterator[EngineChunk]:
-        """The decode replica's chunks, for both response forms. Engine failures and the
-        deadline (``engine_timeout_s`` from the first chunk request) raise
-        :class:`RequestError` (502/504); the stream is cancelled on the way out."""
+        """The decode replica's chunks, for both response forms. Engine failures and time-outs
+        (``engine_timeout_s`` from the first chunk request, or the request's deadline when
+        sooner) raise :class:`RequestError` (502/504); the stream is cancelled on the way
+        out, which aborts the request in the decode engine (its KV blocks come back)."""
         span = child(self.tracer, "pdserve.decode", prep.parent)
         dreq = _engine_request(
             prep,
@@ -981,7 +1034,10 @@ class IngressCore:
         t = time.monotonic()
         stream = self.decode_stream.decode.remote(dreq)
         it = stream.__aiter__()
-        deadline = asyncio.get_running_loop().time() + self.cfg.ingress.engine_timeout_s
+        now = asyncio.get_running_loop().time()
+        left = prep.deadline - time.monotonic()
+        by_deadline = left < self.cfg.ingress.engine_timeout_s
+        deadline = now + min(left, self.cfg.ingress.engine_timeout_s)
         done = False
         try:
             while True:
@@ -992,6 +1048,8 @@ class IngressCore:
                     done = True
                     return
                 except TimeoutError:
+                    if by_deadline:
+                        raise self._deadline_error(prep, "decode") from None
                     raise RequestError("decode timed out", None, status=504) from None
                 except Exception as e:
                     raise _engine_error("decode", prep, e) from None

@@ -168,6 +168,10 @@ SERIES: dict[str, tuple[str, str, tuple[str, ...], list[float] | None]] = {
         "counter", "Requests refused with 429, by tenant and the limit (requests, tokens).",
         ("tenant", "limit"), None,
     ),
+    "pdserve_deadline_exceeded": (
+        "counter", "Requests whose deadline passed (504; both engines aborted them), by "
+        "tenant and the phase it passed in (prefill, decode).", ("tenant", "phase"), None,
+    ),
     "pdserve_ttft_seconds": (
         "histogram", "Time to the first token, at the ingress.", ("tenant",), LATENCY_S,
     ),

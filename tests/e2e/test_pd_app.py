@@ -289,3 +289,118 @@ def test_same_long_prompt_twice_reports_cached_tokens(pd_app: dict[str, Any]) ->
         model="test", prompt=prompt, max_tokens=2, temperature=0
     )
     assert other.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def _stats(app: dict[str, Any]) -> dict[str, Any]:
+    return dict(httpx.get(f"{app['url']}/v1/pdserve/stats", timeout=30).json())
+
+
+def _engines_idle(app: dict[str, Any]) -> bool:
+    """Every engine replica reports nothing running, nothing waiting and no KV blocks in use
+    (a freed request's blocks stay in the prefix cache as free blocks)."""
+    rows = [r for rows in _stats(app)["replicas"].values() for r in rows]
+    return bool(rows) and all(
+        not r.get("running") and not r.get("waiting") and not r.get("kv_usage") for r in rows
+    )
+
+
+LONG_DECODE = {"model": "test", "prompt": "count on", "max_tokens": 1900, "ignore_eos": True}
+
+
+def test_a_deadline_gives_504_and_both_engines_abort_the_request(pd_app: dict[str, Any]) -> None:
+    """A client's 1.5 s deadline on a decode of 1,900 tokens: a 504 naming the deadline, and
+    the decode engine no longer runs it (nothing running, its KV blocks free) well before the
+    1,900 tokens could have been made."""
+    wait_until(lambda: _engines_idle(pd_app), "engines idle before the test", 60)
+    before = _stats(pd_app)["ingress"]["deadline_exceeded"]
+    aborted = decode_counters(pd_app)["requests_aborted"]
+    h = {"Authorization": "Bearer sk-alice", "X-Request-Timeout": "1.5"}
+    r = httpx.post(f"{pd_app['url']}/v1/completions", json=LONG_DECODE, headers=h, timeout=120)
+    assert r.status_code == 504, r.text
+    err = r.json()["error"]
+    assert err["code"] == "deadline_exceeded" and "(1.5 s) passed during decode" in err["message"]
+    # the decode engine aborted it (not ran it to 1,900 tokens), and its KV blocks are free
+    wait_until(
+        lambda: decode_counters(pd_app)["requests_aborted"] == aborted + 1,
+        "the decode engine aborting the request",
+        30,
+    )
+    wait_until(lambda: _engines_idle(pd_app), "both engines idle after the deadline", 30)
+    assert _stats(pd_app)["ingress"]["deadline_exceeded"] == before + 1
+
+
+def test_a_deadline_passing_in_the_prefill_queue_aborts_the_prefill(
+    pd_app: dict[str, Any],
+) -> None:
+    """24 prompts of 1,500 fresh tokens at once, each with a 1 s deadline: those still queued
+    at the prefill engine when it passes get 504 ("during prefill") and the prefill engine
+    aborts them; the rest complete; nothing is left queued."""
+    wait_until(lambda: _engines_idle(pd_app), "engines idle before the test", 60)
+    prefill_aborted = pd_app["prefill"].stats.remote().result(timeout_s=30)["requests_aborted"]
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=120) as c:
+
+            async def one(i: int) -> httpx.Response:
+                ids = [(i * 6007 + k * 7877) % 1300 + 30 for k in range(1500)]
+                body = {"model": "test", "prompt": ids, "max_tokens": 2, "ignore_eos": True}
+                h = {"Authorization": "Bearer sk-bob", "X-Request-Timeout": "1"}
+                return await c.post(f"{pd_app['url']}/v1/completions", json=body, headers=h)
+
+            return list(await asyncio.gather(*(one(i) for i in range(24))))
+
+    got = asyncio.run(burst())
+    codes = [r.status_code for r in got]
+    assert set(codes) <= {200, 504}, codes
+    late = [r.json()["error"]["message"] for r in got if r.status_code == 504]
+    assert any("during prefill" in m for m in late), late
+    wait_until(
+        lambda: (
+            pd_app["prefill"].stats.remote().result(timeout_s=30)["requests_aborted"]
+            > prefill_aborted
+        ),
+        "the prefill engine aborting queued requests",
+        30,
+    )
+    wait_until(lambda: _engines_idle(pd_app), "both engines idle after the burst", 60)
+
+
+def test_a_deadline_mid_stream_is_an_error_event_then_done(pd_app: dict[str, Any]) -> None:
+    """Streamed: tokens arrive, then the deadline passes: an SSE error event with the 504's
+    body, then ``[DONE]``; the engines abort it."""
+    wait_until(lambda: _engines_idle(pd_app), "engines idle before the test", 60)
+    h = {"Authorization": "Bearer sk-alice", "X-Request-Timeout": "2"}
+    with httpx.stream(
+        "POST",
+        f"{pd_app['url']}/v1/completions",
+        json=LONG_DECODE | {"stream": True},
+        headers=h,
+        timeout=120,
+    ) as r:
+        assert r.status_code == 200
+        lines = [ln for ln in r.iter_lines() if ln]
+    assert lines[-1] == "data: [DONE]"
+    import json
+
+    events = [json.loads(ln[6:]) for ln in lines[:-1]]
+    assert any(e.get("choices") for e in events)  # tokens came before the deadline
+    assert events[-1]["error"]["code"] == "deadline_exceeded"
+    wait_until(lambda: _engines_idle(pd_app), "both engines idle after the deadline", 30)
+    assert decode_counters(pd_app)["requests_aborted"] >= 1
+
+
+@pytest.mark.parametrize("value", ["soon", "0", "-3", "nan", "inf"])
+def test_a_bad_timeout_header_is_400_naming_it(pd_app: dict[str, Any], value: str) -> None:
+    h = {"Authorization": "Bearer sk-alice", "X-Request-Timeout": value}
+    body = {"model": "test", "prompt": "hi", "max_tokens": 2}
+    r = httpx.post(f"{pd_app['url']}/v1/completions", json=body, headers=h, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "X-Request-Timeout"
+
+
+def test_a_long_timeout_header_is_held_at_the_server_deadline(pd_app: dict[str, Any]) -> None:
+    """More than the server's deadline is not an error: the request runs under the server's."""
+    h = {"Authorization": "Bearer sk-alice", "X-Request-Timeout": "1e9"}
+    body = {"model": "test", "prompt": "hi", "max_tokens": 2, "ignore_eos": True}
+    r = httpx.post(f"{pd_app['url']}/v1/completions", json=body, headers=h, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
