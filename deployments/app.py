@@ -144,6 +144,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
             max_ongoing_requests=e.max_ongoing_requests,
             ray_actor_options=actor_options(e.num_cpus, e.num_gpus, e.resources),
             health_check_timeout_s=60,
+            health_check_period_s=e.health_check_period_s,
             request_router_config=request_router_config(cfg, role),
         ).bind(d, role)
     ingress: Any = Ingress

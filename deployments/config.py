@@ -210,6 +210,25 @@ class EngineConfig(_Strict):
         description="How often the engine steps while only KV transfers are in flight (no "
         "model work): polling instead of spinning keeps the replica responsive.",
     )
+    wedge_timeout_s: float = Field(
+        default=120.0,
+        gt=0,
+        le=3600,
+        description="An engine whose step loop has not come round for this long is wedged: "
+        "its load report says so (the routers stop sending to it) and its health check fails "
+        "(Serve replaces the replica). Above the longest step the engine can take.",
+    )
+    health_check_period_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=600,
+        description="How often Serve calls the replica's health check (3 failures in a row "
+        "and Serve replaces it).",
+    )
+    fault_injection: bool = Field(
+        default=False,
+        description="Allow the replica's fault-injection calls (inject_wedge): tests only.",
+    )
     kv_load_failure_policy: Literal["recompute", "fail"] = Field(
         default="recompute",
         description="What decode does when a KV transfer fails: recompute the prefill "

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import math
 import os
 import queue
 import socket
@@ -159,12 +160,16 @@ class InProcessEngine:
         self.failure: BaseException | None = None
         #: requests aborted in the engine because their caller went (cancelled, a deadline)
         self.aborted = 0
+        #: when the step loop last came round (monotonic): at least every 0.5 s while idle,
+        #: after every step while busy; a stale beat is a wedged engine
+        self.beat = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="pdserve-engine", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         try:
             while not self._stop:
+                self.beat = time.monotonic()
                 while True:
                     try:
                         self._inbox.get_nowait()()
@@ -260,6 +265,16 @@ class InProcessEngine:
 
             if self.failure is None:  # a dead engine has already failed and cleared its sinks
                 self._submit(cleanup)
+
+    def stalled_s(self) -> float:
+        """Seconds since the step loop last came round (infinite once its thread is gone)."""
+        if not self._thread.is_alive():
+            return math.inf
+        return max(0.0, time.monotonic() - self.beat)
+
+    def hold(self, seconds: float) -> None:
+        """Block the engine thread for ``seconds`` (a wedge, on purpose: fault tests)."""
+        self._submit(lambda: time.sleep(seconds))
 
     def shutdown(self) -> None:
         self._stop = True
@@ -749,6 +764,7 @@ class EngineReplica:
                 self._feed_events.publish(rf.tracker.stats, replica=rid)
         return {
             **self.engine.load,
+            "wedged": self.wedged() is not None,
             "role": self.role,
             "replica_id": self.replica_id,
             "kv_events": f"tcp://{p.host}:{p.kv_events}" if p.kv_events else None,
@@ -782,10 +798,34 @@ class EngineReplica:
                 out["feed"] = dict(rf.stats.__dict__)
         return out
 
+    def wedged(self) -> str | None:
+        """Why this replica's engine cannot serve (its thread failed or died, or its step loop
+        has not come round for ``wedge_timeout_s``), or ``None``."""
+        eng = self.engine
+        if eng.failure is not None:
+            return f"engine failed: {eng.failure!r}"
+        stalled = eng.stalled_s()
+        if math.isinf(stalled):
+            return "the engine thread has died"
+        limit = self.cfg.engine(self.role).wedge_timeout_s
+        if stalled > limit:
+            return f"the engine's step loop has not come round for {stalled:.0f} s (> {limit:g} s)"
+        return None
+
     async def check_health(self) -> None:
-        """Serve's health probe: raises when the engine thread has died."""
-        if self.engine.failure is not None:
-            raise RuntimeError(f"engine failed: {self.engine.failure!r}")
+        """Serve's health probe: raises when the engine is wedged (:meth:`wedged`), so Serve
+        replaces the replica; the routers stop sending to it as soon as its report says so."""
+        why = self.wedged()
+        if why is not None:
+            raise RuntimeError(why)
+
+    async def inject_wedge(self, seconds: float) -> str:
+        """Fault injection (``fault_injection: true`` only): block this engine's step loop
+        for ``seconds``; returns this replica's id."""
+        if not self.cfg.engine(self.role).fault_injection:
+            raise PermissionError(f"{self.role}.fault_injection is off")
+        self.engine.hold(float(seconds))
+        return self.replica_id
 
     def __del__(self) -> None:
         eng = getattr(self, "engine", None)

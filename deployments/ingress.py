@@ -341,6 +341,7 @@ _REPORT_KEYS = (
     "prefix_hits",
     "kv_load_failures",
     "requests_aborted",
+    "wedged",
 )
 
 

@@ -131,6 +131,15 @@ class _Bookkeeping:
                 self.state = RouterState(self.state.rr_next, inflight, self.state.counters)
 
     # -- helpers -------------------------------------------------------------------------------
+    def _serving(self, candidates: list[RunningReplica]) -> list[RunningReplica]:
+        """The candidates whose last report does not say ``wedged`` (their engine's step loop
+        has stalled; Serve's health check replaces them soon). When every one is wedged, all
+        of them: a call then waits on a replica rather than failing at once."""
+        ok = [r for r in candidates if not r.routing_stats.get("wedged")]
+        if len(ok) < len(candidates):
+            self.counters.count("wedged_replica_skipped")
+        return ok or candidates
+
     def _absorb_reports(self, candidates: list[RunningReplica], now: float) -> None:
         """Retire in-flight entries that a newer report from their replica covers."""
         ttl = self.cfg.inflight_ttl_s
@@ -191,6 +200,7 @@ class _PolicyRouter(_Bookkeeping, RequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
+        candidate_replicas = self._serving(candidate_replicas)
         req = engine_request(pending_request)
         if req is None or pending_request is None or not self._routes(req):
             return [candidate_replicas]  # ready/stats calls: Serve picks by queue length
@@ -332,7 +342,13 @@ class ServeDefaultRouter(_Bookkeeping, PowerOfTwoChoicesRequestRouter):
         out: list[list[RunningReplica]] = await super().choose_replicas(
             candidate_replicas, pending_request
         )
-        return out
+        # Serve's choice draws from its own replica set: take the wedged out afterwards
+        serving = {r.replica_id for r in self._serving(candidate_replicas)}
+        kept = [[r for r in rank if r.replica_id in serving] for rank in out]
+        kept = [rank for rank in kept if rank]
+        if kept:
+            return kept
+        return [[r for r in candidate_replicas if r.replica_id in serving]]
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         with self._lock:

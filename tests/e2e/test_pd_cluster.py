@@ -37,6 +37,11 @@ def cluster_args(model_dir: Path, cache_dir: Path, backend: str, redis_url: str 
             "num_cpus": 1.0,
             "cpu_bind": "0",
             **shipped_engine("prefill"),
+            # the wedge test: a stalled step loop is seen in 15 s (this model's steps take
+            # well under a second), and Serve checks health every 2 s
+            "wedge_timeout_s": 15,
+            "health_check_period_s": 2,
+            "fault_injection": True,
         },
         "decode": {"num_cpus": 1.0, "cpu_bind": "1", **shipped_engine("decode")},
         "ingress": {"num_replicas": 2 if backend == "redis" else 1, "num_cpus": 0.25},
@@ -240,3 +245,33 @@ def test_a_prefill_replica_that_goes_away_leaves_the_index_at_once(
     # Serve starts a replacement; it joins the index under its own id
     wait_until(lambda: len(followed(cluster)) == 2, "a replacement replica", timeout_s=120)
     assert victim not in followed(cluster)
+
+
+def wedged(app: dict[str, Any]) -> list[str]:
+    """Prefill replicas whose last report says their engine is wedged."""
+    return [r["id"] for r in stats(app)["replicas"]["prefill"] if r.get("wedged")]
+
+
+def test_a_wedged_prefill_engine_is_skipped_then_replaced(cluster: dict[str, Any]) -> None:
+    """One prefill engine's step loop is blocked on purpose: its report says wedged, the
+    router sends every request to the other replica meanwhile, and its failing health check
+    makes Serve replace it."""
+    if cluster["backend"] != "memory":
+        pytest.skip("the wedge is the engine's; the index backend does not change it")
+    from ray import serve
+
+    wait_until(lambda: len(followed(cluster)) == 2, "two prefill replicas", timeout_s=120)
+    handle = serve.get_deployment_handle("prefill", app_name=APP)
+    victim = handle.inject_wedge.remote(900).result(timeout_s=30)
+    wait_until(lambda: wedged(cluster) == [victim], "the victim reported wedged", 60)
+    for i in range(6):  # served by the other one, none waits on the victim
+        out = complete(cluster, prompt(20 + i, 2))
+        assert out["pdserve"]["prefill_replica"] != victim
+    assert stats(cluster)["router"]["fallbacks"].get("wedged_replica_skipped", 0) > 0
+    wait_until(
+        lambda: victim not in followed(cluster) and len(followed(cluster)) == 2,
+        "Serve replaced the wedged replica",
+        timeout_s=240,
+    )
+    assert wedged(cluster) == []
+    complete(cluster, prompt(40, 2))

@@ -259,3 +259,31 @@ def test_serve_default_router_keeps_the_books() -> None:
         "routed": {"b": 1},
         "fallbacks": {},
     }
+
+
+@pytest.mark.parametrize("cls,deployment", [(PrefillRouter, "prefill"), (DecodeRouter, "decode")])
+def test_a_wedged_replica_gets_nothing_while_another_serves(cls: type, deployment: str) -> None:
+    """A replica whose report says ``wedged`` is left out of every rank, even when it holds
+    the prompt's prefix; counted. When every replica is wedged, they are all candidates."""
+    r = make(cls, deployment)
+    a, b = replicas(r, "a", "b")
+    a.routing_stats = {"wedged": True}
+    req = prefill_req(1000, {"a": 896}) if deployment == "prefill" else decode_req(300)
+    ranks = choose(r, [a, b], pending(req))
+    assert "a" not in {i for rank in ranks for i in rank} and ranks[0] == ["b"]
+    assert choose(r, [a, b], pending(None)) == [["b"]]  # other calls too
+    assert (
+        router_stats(r._deployment_id.app_name, deployment)["fallbacks"]["wedged_replica_skipped"]
+        == 2
+    )
+    b.routing_stats = {"wedged": True}
+    assert {i for rank in choose(r, [a, b], pending(None)) for i in rank} == {"a", "b"}
+
+
+def test_serve_default_router_skips_a_wedged_replica() -> None:
+    r = make(ServeDefaultRouter, "prefill", policy="serve_default")
+    a, b = replicas(r, "a", "b")
+    b.routing_stats = {"wedged": True}
+    update(r, [a, b])
+    ranks = choose(r, [a, b], pending(prefill_req(100, None)))
+    assert {i for rank in ranks for i in rank} == {"a"}
