@@ -18,7 +18,7 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
-from deployments.config import AppConfig, Role, load_app_config
+from deployments.config import AppConfig, Role, live_defaults, load_app_config
 from deployments.engine import EngineReplica
 from deployments.ingress import IngressCore, api
 from deployments.openai_api import (
@@ -38,6 +38,10 @@ class Ingress:
     def __init__(self, config: dict[str, Any], prefill: Any, decode: Any) -> None:
         ctx = serve.get_replica_context()
         self.core = IngressCore(config, prefill, decode, ctx.app_name, ctx.replica_id.unique_id)
+
+    def reconfigure(self, user_config: dict[str, Any]) -> None:
+        """Serve's ``user_config`` (routing parameters, live; see ``IngressCore.reconfigure``)."""
+        self.core.reconfigure(user_config)
 
     @api.post("/v1/completions")
     async def completions(self, request: Request, body: CompletionRequest) -> Any:
@@ -134,6 +138,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     cfg = load_app_config(args or {})
     ensure_model(cfg)
     d = cfg.model_dump(mode="json")
+    live = live_defaults(cfg)
     engines = {}
     roles: tuple[Role, Role] = ("prefill", "decode")
     for role in roles:
@@ -146,10 +151,12 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
             health_check_timeout_s=60,
             health_check_period_s=e.health_check_period_s,
             request_router_config=request_router_config(cfg, role),
+            user_config=live[role] or None,
         ).bind(d, role)
     ingress: Any = Ingress
     return ingress.options(
         num_replicas=cfg.ingress.num_replicas,
         max_ongoing_requests=cfg.ingress.max_ongoing_requests,
         ray_actor_options=actor_options(cfg.ingress.num_cpus, 0, cfg.ingress.resources),
+        user_config=live["ingress"],
     ).bind(d, engines["prefill"], engines["decode"])

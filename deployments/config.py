@@ -22,6 +22,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cluster.tenants import TENANT_PATTERN, is_key_hash
+from controllers.config import FairwayConfig
+from controllers.decode.config import TWPConfig
 from controllers.routing import RoutingConfig, RoutingName
 from engines.config import EngineSchedulerConfig
 from engines.launch import EngineLaunch, HashAlgo, KVEventsLaunch, KVTransfer, SchedulerName
@@ -638,6 +640,62 @@ class AppConfig(_Strict):
     def engine(self, role: Role) -> EngineConfig:
         """The engine config of ``role``."""
         return self.prefill if role == "prefill" else self.decode
+
+
+class EngineLiveConfig(_Strict):
+    """An engine deployment's Serve ``user_config``: the scheduler plug-in's parameters that
+    change without a restart (``serve deploy`` with a new ``user_config``; Serve calls the
+    replicas' ``reconfigure``). A field left out keeps its value."""
+
+    fairway: FairwayConfig | None = Field(
+        default=None, description="Fairway's parameters (prefill; new arrivals see them)."
+    )
+    twp: TWPConfig | None = Field(
+        default=None, description="TWP's parameters (decode; the next step sees them)."
+    )
+
+
+class IngressLiveConfig(_Strict):
+    """The ingress deployment's Serve ``user_config``: the routing parameters, reloaded
+    without a restart. ``policy`` may move between the index-aware policies, not to or from
+    ``serve_default`` (another router class), and ``stats_period_s`` is Serve's: both need a
+    redeploy."""
+
+    routing: AppRoutingConfig | None = Field(
+        default=None, description="Routing of prefill and decode requests (all fields)."
+    )
+
+
+class LiveConfigError(ValueError):
+    """A ``user_config`` refused; the message names the field and says the old values stay."""
+
+
+def parse_live_config(model: type[_Strict], raw: Any) -> Any:
+    """Validate a ``user_config`` as ``model``; :class:`LiveConfigError` naming the field."""
+    from pydantic import ValidationError
+
+    try:
+        return model.model_validate(raw or {})
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(x) for x in first["loc"]) or "user_config"
+        raise LiveConfigError(
+            f"user_config.{where}: {first['msg']} (the old values stay)"
+        ) from None
+
+
+def live_defaults(cfg: AppConfig) -> dict[str, dict[str, Any]]:
+    """Each deployment's initial ``user_config`` (what the app args say), by deployment name:
+    ``serve deploy`` replaces it with the YAML's ``deployments[].user_config``."""
+    out: dict[str, dict[str, Any]] = {}
+    roles: tuple[Role, Role] = ("prefill", "decode")
+    for role in roles:
+        sc = cfg.engine(role).scheduler_config
+        out[role] = (
+            {} if sc is None else {"fairway": sc.fairway.model_dump(), "twp": sc.twp.model_dump()}
+        )
+    out["ingress"] = {"routing": cfg.routing.model_dump(mode="json")}
+    return out
 
 
 def _span(base: int | None, per_replica: int, replicas: int) -> range | None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import logging
 import math
 import os
 import queue
@@ -48,6 +49,8 @@ from deployments.protocol import (
 from deployments.telemetry import CounterPublisher, extract, metrics, set_attrs, tracer
 from engines.launch import EngineLaunch, start_engine
 from engines.runtime import load_report
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -266,6 +269,22 @@ class InProcessEngine:
             if self.failure is None:  # a dead engine has already failed and cleared its sinks
                 self._submit(cleanup)
 
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn`` on the engine thread between two steps; its result or its exception."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+
+        def run() -> None:
+            try:
+                out = fn()
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                loop.call_soon_threadsafe(_settle, fut, None, e)
+            else:
+                loop.call_soon_threadsafe(_settle, fut, out, None)
+
+        self._submit(run)
+        return await fut
+
     def stalled_s(self) -> float:
         """Seconds since the step loop last came round (infinite once its thread is gone)."""
         if not self._thread.is_alive():
@@ -279,6 +298,15 @@ class InProcessEngine:
     def shutdown(self) -> None:
         self._stop = True
         self._wake.set()
+
+
+def _settle(fut: asyncio.Future[Any], out: Any, err: BaseException | None) -> None:
+    if fut.done():  # the caller went away
+        return
+    if err is not None:
+        fut.set_exception(err)
+    else:
+        fut.set_result(out)
 
 
 def _refusal(e: Exception) -> Exception:
@@ -425,6 +453,9 @@ class EngineReplica:
         )
         self._ready = False
         self._seq = 0
+        self.live_config_error: str | None = None
+        self.live_config_applied = 0
+        self.live_config_refused = 0
         self.hash_mode = "engine"
         self.feed: Any = None
         self.requests = 0
@@ -723,6 +754,46 @@ class EngineReplica:
                 ph.end(end_time=int(b * 1e9) + to_ns)
         span.end()
 
+    # -- live reconfiguration (Serve's user_config) ----------------------------------------
+    async def reconfigure(self, user_config: dict[str, Any]) -> None:
+        """Serve's ``user_config`` hook (at start and on every change, no restart): Fairway's
+        and TWP's parameters (:class:`~deployments.config.EngineLiveConfig`), applied between
+        two engine steps, keeping every request's state; streams go on. A bad value is
+        refused with the field named (logged, and in :meth:`stats` as
+        ``live_config_error``) and the old values stay: raising here would make Serve fail
+        the replica."""
+        from deployments.config import EngineLiveConfig, LiveConfigError, parse_live_config
+
+        try:
+            live = parse_live_config(EngineLiveConfig, user_config)
+            if live.fairway is not None or live.twp is not None:
+                sched = self.engine.scheduler
+                if not hasattr(sched, "update_params"):
+                    raise LiveConfigError(
+                        f"user_config: {self.role}.scheduler_cls is vLLM's own scheduler; "
+                        "no pdserve parameters to change (the old values stay)"
+                    )
+                await self.engine.call(lambda: sched.update_params(live.fairway, live.twp))
+        except (LiveConfigError, ValueError) as e:
+            self.live_config_error = str(e)
+            self.live_config_refused += 1
+            log.error("%s replica %s: %s", self.role, self.replica_id, e)
+            return
+        self.live_config_error = None
+        self.live_config_applied += 1
+
+    def live_config(self) -> dict[str, Any]:
+        """The parameters the engine's scheduler runs with now, and the last refusal."""
+        pd = getattr(self.engine.scheduler, "pd_config", None)
+        return {
+            "fairway": None if pd is None else pd.fairway.model_dump(),
+            "twp": None if pd is None else pd.twp.model_dump(),
+            "window_tokens": self.engine.load.get("window_tokens"),
+            "applied": self.live_config_applied,
+            "refused": self.live_config_refused,
+            "error": self.live_config_error,
+        }
+
     # -- health and reports --------------------------------------------------------------
     async def ready(self) -> bool:
         """True once this engine has served a probe request end to end (cached after)."""
@@ -790,6 +861,7 @@ class EngineReplica:
             "replica_id": self.replica_id,
             "hash_mode": self.hash_mode,
             "requests_aborted": self.engine.aborted,
+            "live_config": self.live_config(),
             **self.counters.as_dict(),
         }
         if self.feed is not None:

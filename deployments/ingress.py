@@ -49,7 +49,12 @@ from vllm.exceptions import VLLMClientError
 
 from cluster.tenants import Charge, KeyStore, KeyStoreUnavailable, RateLimiter, hash_key
 from controllers.tenants import Bucket
-from deployments.config import AppConfig
+from deployments.config import (
+    AppConfig,
+    IngressLiveConfig,
+    LiveConfigError,
+    parse_live_config,
+)
 from deployments.http_guard import BodyGuard, configure
 from deployments.openai_api import (
     FINISH_REASONS,
@@ -84,7 +89,7 @@ from deployments.protocol import (
     Sampling,
     TokenLogprob,
 )
-from deployments.router_registry import directory, router_stats
+from deployments.router_registry import directory, router_stats, set_routing
 from deployments.telemetry import (
     CounterPublisher,
     child,
@@ -407,6 +412,40 @@ class IngressCore:
         self.overload_refused = 0
         #: requests answered 504 because their deadline passed (both engines aborted them)
         self.deadline_exceeded = 0
+        #: user_config changes applied and refused, and the last refusal
+        self.live_applied = 0
+        self.live_refused = 0
+        self.live_error: str | None = None
+
+    # -- live reconfiguration (Serve's user_config) ------------------------------------------
+    def reconfigure(self, user_config: dict[str, Any] | None) -> None:
+        """Serve's ``user_config`` of the ingress: routing parameters
+        (:class:`~deployments.config.IngressLiveConfig`) for both routers' next decisions, no
+        restart. A bad value is refused with the field named (logged, and in
+        ``/v1/pdserve/stats`` under ``ingress.live_config``); the old values stay."""
+        try:
+            live = parse_live_config(IngressLiveConfig, user_config)
+            if live.routing is not None:
+                old, new = self.cfg.routing, live.routing
+                if new.stats_period_s != old.stats_period_s:
+                    raise LiveConfigError(
+                        "user_config.routing.stats_period_s: Serve's polling period changes "
+                        "only with a redeploy (the old values stay)"
+                    )
+                if (new.policy == "serve_default") != (old.policy == "serve_default"):
+                    raise LiveConfigError(
+                        f"user_config.routing.policy: {old.policy} -> {new.policy} changes the "
+                        "router class, which needs a redeploy (the old values stay)"
+                    )
+                self.cfg = self.cfg.model_copy(update={"routing": new})
+                set_routing(self.app_name, new.model_dump(mode="json"))
+        except LiveConfigError as e:
+            self.live_error = str(e)
+            self.live_refused += 1
+            log.error("ingress %s: %s", self.replica_id, e)
+            return
+        self.live_error = None
+        self.live_applied += 1
 
     # -- background: follow the prefill replicas ---------------------------------------------
     def _ensure_started(self) -> None:
@@ -608,6 +647,12 @@ class IngressCore:
                 "overload_refused": self.overload_refused,
             },
             "deadline_exceeded": self.deadline_exceeded,
+            "live_config": {
+                "routing": self.cfg.routing.model_dump(mode="json"),
+                "applied": self.live_applied,
+                "refused": self.live_refused,
+                "error": self.live_error,
+            },
             "rate_limits": {"backend": self.limiter.backend} | asdict(self.limiter.stats),
             "keys": asdict(self.keys.stats),
         }

@@ -60,7 +60,7 @@ from controllers.routing import (
 )
 from deployments.config import AppRoutingConfig
 from deployments.protocol import EngineRequest
-from deployments.router_registry import counters_for, directory
+from deployments.router_registry import counters_for, directory, routing_of
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +92,7 @@ class _Bookkeeping:
 
     def _init_bookkeeping(self, routing: dict[str, Any]) -> None:
         self.cfg = AppRoutingConfig.model_validate(routing)
+        self._cfg_version = 0
         dep = self._deployment_id
         self.directory = directory(dep.app_name, dep.name)
         self.counters = counters_for(dep.app_name, dep.name, self.cfg.policy)
@@ -131,6 +132,16 @@ class _Bookkeeping:
                 self.state = RouterState(self.state.rr_next, inflight, self.state.counters)
 
     # -- helpers -------------------------------------------------------------------------------
+    def _follow_live_config(self) -> None:
+        """Take the routing parameters the ingress's ``user_config`` last published (no
+        restart: the next decision uses them)."""
+        version, routing = routing_of(self._deployment_id.app_name)
+        if version != self._cfg_version:
+            self.cfg = AppRoutingConfig.model_validate(routing)
+            self._cfg_version = version
+            self.counters.policy = self.cfg.policy
+            self.pending.ttl_s = self.cfg.inflight_ttl_s
+
     def _serving(self, candidates: list[RunningReplica]) -> list[RunningReplica]:
         """The candidates whose last report does not say ``wedged`` (their engine's step loop
         has stalled; Serve's health check replaces them soon). When every one is wedged, all
@@ -200,6 +211,7 @@ class _PolicyRouter(_Bookkeeping, RequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
+        self._follow_live_config()
         candidate_replicas = self._serving(candidate_replicas)
         req = engine_request(pending_request)
         if req is None or pending_request is None or not self._routes(req):

@@ -99,3 +99,22 @@ def counters_for(app: str, deployment: str, policy: str) -> RouterCounters:
         c = _STATS.setdefault((app, deployment), RouterCounters(deployment=deployment))
         c.policy = policy
         return c
+
+
+#: app -> (version, routing config as a dict): routing parameters set live by the ingress's
+#: ``user_config``; each router of the app takes them before its next decision
+_ROUTING: dict[str, tuple[int, dict[str, Any]]] = {}
+
+
+def set_routing(app: str, routing: dict[str, Any]) -> int:
+    """Publish ``app``'s routing parameters to its routers in this process; the new version."""
+    with _REGISTRY_LOCK:
+        version = _ROUTING.get(app, (0, {}))[0] + 1
+        _ROUTING[app] = (version, dict(routing))
+        return version
+
+
+def routing_of(app: str) -> tuple[int, dict[str, Any]]:
+    """``(version, routing dict)`` last published for ``app`` (version 0: none)."""
+    with _REGISTRY_LOCK:
+        return _ROUTING.get(app, (0, {}))

@@ -49,6 +49,7 @@ from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
+from controllers.config import FairwayConfig
 from controllers.decode.base import (
     AdmissionDecision,
     DecodeObservation,
@@ -58,6 +59,7 @@ from controllers.decode.base import (
     RunningRequestView,
     WaitingRequestView,
 )
+from controllers.decode.config import TWPConfig
 from controllers.decode.twp import TWP
 from controllers.prefill import (
     Fairway,
@@ -190,6 +192,29 @@ class PdserveSchedulerMixin:
         #: ``window_tokens`` and ``slowdown`` then. Read (and popped) by the replica for its
         #: trace; bounded, the oldest dropped first.
         self.admissions: dict[str, dict[str, Any]] = {}
+
+    def update_params(
+        self, fairway: FairwayConfig | None = None, twp: TWPConfig | None = None
+    ) -> None:
+        """Live reconfiguration (between steps, on the engine's thread), keeping every
+        request's state, unlike :meth:`configure`. New Fairway values apply to requests that
+        arrive after (a request's patience is fixed at its arrival, as the paper has it); the
+        TWP gate keeps its window and estimates (see :meth:`TWP.reconfigure`). Raises
+        ``ValueError`` with nothing changed when the TWP values do not resolve."""
+        if twp is not None and self.gate is not None and self.profile is not None:
+            self.gate.reconfigure(twp, self.profile)
+        update: dict[str, Any] = {}
+        if twp is not None:
+            update["twp"] = twp
+        if fairway is not None:
+            update["fairway"] = fairway
+            policy: Any = self.prefill
+            while policy is not None:  # Fairway itself, or inside the fair share
+                if isinstance(getattr(policy, "config", None), FairwayConfig):
+                    policy.config = fairway
+                policy = getattr(policy, "inner", None)
+        if update:
+            self.pd_config = self.pd_config.model_copy(update=update)
 
     # ----- the step hooks ------------------------------------------------------------
     def schedule(self, *args: Any, **kwargs: Any) -> Any:

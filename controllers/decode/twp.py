@@ -343,6 +343,21 @@ class TWP:
         self.state = init_state(self.config, profile)
         self.prefill_chunk_tokens: int | None = self.config.C
 
+    def reconfigure(self, config: TWPConfig, profile: EngineProfile) -> None:
+        """New parameters, live: the window, ITL estimate, KV guard and per-tenant lengths
+        carry over (the window and guard clamped into the new bounds); the next step uses
+        the new values. Raises ``ValueError`` (nothing changed) when they do not resolve."""
+        p = resolve(config, profile)
+        st = self.state
+        self.state = replace(
+            st,
+            params=p,
+            H=min(max(st.H, p.H_min), p.H_max),
+            delta_kv=min(max(st.delta_kv, config.delta_min), config.delta_max),
+        )
+        self.config = config
+        self.prefill_chunk_tokens = config.C
+
     def observe(self, obs: DecodeObservation) -> None:
         self.state = observe(self.state, obs)
 

@@ -626,3 +626,33 @@ def test_over_the_queue_bound_a_503_at_once_and_the_admitted_all_complete(bounde
     s = client.get("/stats").json()["ingress"]["prefill_queue"]
     assert s["in_flight"] == 0 and s["uncached_tokens"] == 0  # every slot came back
     assert s["peak"] == 3 and s["overload_refused"] == 4
+
+
+def test_routing_user_config_applies_live_and_bad_values_keep_the_old(tiny_model_dir: Path) -> None:
+    """The ingress's ``user_config``: routing parameters reach the routers of its app (the
+    registry they read before each decision); a bad value, or one that needs a redeploy,
+    is refused naming the field, and the old values stay."""
+    from deployments.config import AppConfig
+    from deployments.ingress import IngressCore
+    from deployments.router_registry import routing_of
+
+    cfg = AppConfig.model_validate(
+        {"model": {"path": str(tiny_model_dir), "build_preset": None}, "index": {"backend": "none"}}
+    ).model_dump(mode="json")
+    core = IngressCore(cfg, FakeEngine("prefill"), FakeEngine("decode"), app_name="live-unit")
+    core.reconfigure({"routing": {"policy": "round_robin", "hotspot_slack_tokens": 99}})
+    assert core.cfg.routing.policy == "round_robin" and core.live_error is None
+    version, published = routing_of("live-unit")
+    assert published["policy"] == "round_robin" and published["hotspot_slack_tokens"] == 99
+    for bad, field in (
+        ({"routing": {"hotspot_factor": -1}}, "routing.hotspot_factor"),
+        ({"routing": {"policy": "serve_default"}}, "routing.policy"),
+        ({"routing": {"stats_period_s": 0.5}}, "routing.stats_period_s"),
+        ({"routng": {}}, "routng"),
+    ):
+        core.reconfigure(bad)
+        assert core.live_error is not None and field in core.live_error, core.live_error
+        assert "old values stay" in core.live_error
+        assert core.cfg.routing.policy == "round_robin"
+        assert routing_of("live-unit")[0] == version  # nothing republished
+    assert core.live_refused == 4 and core.live_applied == 1

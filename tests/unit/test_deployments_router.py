@@ -287,3 +287,17 @@ def test_serve_default_router_skips_a_wedged_replica() -> None:
     update(r, [a, b])
     ranks = choose(r, [a, b], pending(prefill_req(100, None)))
     assert {i for rank in ranks for i in rank} == {"a"}
+
+
+def test_a_router_takes_live_routing_parameters_before_its_next_decision() -> None:
+    """prefix_load sends a prompt to the replica holding its prefix; once round_robin is
+    published for the app (the ingress's user_config), the next decisions alternate."""
+    from deployments.router_registry import set_routing
+
+    r = make(PrefillRouter, "prefill")
+    cands = replicas(r, "a", "b")
+    assert choose(r, cands, pending(prefill_req(1000, {"b": 896})))[0] == ["b"]
+    set_routing(r._deployment_id.app_name, {"policy": "round_robin"})
+    firsts = [choose(r, cands, pending(prefill_req(1000, {"b": 896})))[0][0] for _ in range(4)]
+    assert sorted(firsts) == ["a", "a", "b", "b"]
+    assert router_stats(r._deployment_id.app_name, "prefill")["policy"] == "round_robin"

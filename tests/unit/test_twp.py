@@ -25,7 +25,7 @@ from controllers.decode import (
     prefill_chunk,
     rank,
 )
-from controllers.decode.twp import TWPState
+from controllers.decode.twp import TWP, TWPState
 from controllers.profile import EngineProfile
 
 L_MIN = 0.04
@@ -322,3 +322,22 @@ def test_token_load_never_exceeds_window_except_by_force_admits(
     assert {x.request_id for x in d if x.action == "force_admit"} == {
         r.request_id for r in w if r.wait_steps > t_max
     }
+
+
+def test_reconfigure_keeps_the_learned_state_and_clamps_the_window() -> None:
+    """Live new parameters: the window, ITL estimate and tenants' lengths carry over, the
+    window is clamped into the new bounds, and a bad combination changes nothing."""
+    gate = TWP(profile(), TWPConfig())
+    for step in range(5):
+        gate.observe(obs(step, 3 * L_MIN, 20))  # slow steps: the window shrinks, sigma > 1
+    learned = gate.state
+    assert learned.H < 400.0 and learned.sigma > 1.0
+    gate.reconfigure(TWPConfig(H_min=50, H_max=60), profile())
+    window = gate.state.H
+    assert window == min(max(learned.H, 50.0), 60.0)
+    assert gate.state.itl_hat_s == learned.itl_hat_s and gate.state.step == learned.step
+    assert gate.state.params.H_max == 60.0 and gate.config.H_max == 60
+    before = gate.state
+    with pytest.raises(ValueError, match="H_min"):
+        gate.reconfigure(TWPConfig(H_min=90, H_max=60), profile())
+    assert gate.state is before and gate.config.H_max == 60

