@@ -212,6 +212,13 @@ class EngineConfig(_Strict):
         description="How often the engine steps while only KV transfers are in flight (no "
         "model work): polling instead of spinning keeps the replica responsive.",
     )
+    calibrate_decode: bool = Field(
+        default=True,
+        description="Decode with a TWP gate: at start, measure this replica's own "
+        "single-stream inter-token latency and use it as the profile's l_min (the shipped "
+        "profiles are measured on a bare engine; in a replica a lone stream is slower, "
+        "which TWP would read as overload).",
+    )
     wedge_timeout_s: float = Field(
         default=120.0,
         gt=0,
@@ -630,6 +637,10 @@ class AppConfig(_Strict):
             _span(d.kv_events.port, 2, d.num_replicas),
         )
         for role, e in (("prefill", p), ("decode", d)):
+            try:
+                self.scheduler_config(role)  # type: ignore[arg-type]
+            except ValueError as err:
+                raise ValueError(f"{role}.scheduler_config.profile: {err}") from None
             if e.max_num_batched_tokens < self.hashing.block_size:
                 raise ValueError(
                     f"{role}.max_num_batched_tokens={e.max_num_batched_tokens} is below one "
@@ -640,6 +651,29 @@ class AppConfig(_Strict):
     def engine(self, role: Role) -> EngineConfig:
         """The engine config of ``role``."""
         return self.prefill if role == "prefill" else self.decode
+
+    def model_preset(self) -> str:
+        """The model's preset: from its folder's model card when built, else
+        ``model.build_preset`` (``"unknown"`` for a model not built here)."""
+        from engines.model_builder import model_preset
+
+        found = model_preset(self.model.resolved_path())
+        if found == "unknown" and self.model.build_preset is not None:
+            return self.model.build_preset
+        return found
+
+    def scheduler_config(self, role: Role) -> EngineSchedulerConfig | None:
+        """``role``'s scheduler plug-in config with ``profile: auto`` resolved (the profile
+        measured for this platform, vLLM and model preset, else ``profile_fallback``);
+        ``ValueError`` when neither exists."""
+        sc = self.engine(role).scheduler_config
+        if sc is None or sc.profile != "auto":
+            return sc
+        from engines.profile_store import resolve_auto
+
+        return sc.model_copy(
+            update={"profile": resolve_auto(self.model_preset(), sc.profile_fallback)}
+        )
 
 
 class EngineLiveConfig(_Strict):
@@ -812,7 +846,7 @@ def engine_launch(cfg: AppConfig, role: Role, ports: ReplicaPorts) -> EngineLaun
         kv_cache_gib=e.kv_cache_gib,
         cpu_bind=e.cpu_bind,
         scheduler_cls=e.scheduler_cls,
-        scheduler=e.scheduler_config,
+        scheduler=cfg.scheduler_config(role),
         kv_transfer=KVTransfer(
             role="kv_producer" if role == "prefill" else "kv_consumer",
             side_channel_host=ports.host,

@@ -32,7 +32,7 @@ import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from opentelemetry import trace
@@ -464,6 +464,9 @@ class EngineReplica:
         if role == "prefill" and self.cfg.index.backend != "none" and self.ports.kv_events:
             await self._check_hashes_and_feed()
         await self.ready()
+        self.calibration: dict[str, float] | None = None
+        if role == "decode" and self.cfg.decode.calibrate_decode:
+            await self._calibrate_decode()
 
     # -- the index side ------------------------------------------------------------------
     def _index(self) -> Any:
@@ -754,6 +757,43 @@ class EngineReplica:
                 ph.end(end_time=int(b * 1e9) + to_ns)
         span.end()
 
+    async def _calibrate_decode(self, tokens: int = 64, skip: int = 8) -> None:
+        """Measure this engine's single-stream inter-token latency as it serves (one request
+        of ``tokens`` output tokens through the engine thread; the lower quintile of the
+        ITLs the scheduler recorded after the first ``skip`` steps: ``l_min`` is the floor,
+        and other replicas starting on the node only add to it) and hand it to the TWP gate
+        (:meth:`engines.scheduler.PdserveSchedulerMixin.calibrate_decode`)."""
+        sched = self.engine.scheduler
+        if getattr(sched, "gate", None) is None or not hasattr(sched, "records"):
+            return
+        floors: list[float] = []
+        for _ in range(2):  # two runs, the lower floor: a neighbour's start-up only adds
+            start = await self.engine.call(lambda: sched._step)
+            self._seq += 1
+            probe = EngineRequest(
+                request_id=f"calibrate-{self._seq}",
+                prompt_token_ids=tuple(range(5, 21)),
+                sampling=Sampling(max_tokens=tokens, temperature=0.0, ignore_eos=True),
+            )
+            kw = probe.sampling.to_vllm_kwargs()
+            async for _ in self._generate(probe, kw, None, delta=True):
+                pass
+            itls = sorted(
+                r.itl_s
+                for r in list(sched.records)
+                if r.step > start + skip and r.decode_requests == 1 and r.itl_s > 0
+            )
+            if len(itls) >= 8:
+                floors.append(itls[len(itls) // 5])
+        if not floors:
+            return
+
+        def measure() -> dict[str, float] | None:
+            return sched.calibrate_decode(min(floors))
+
+        self.calibration = await self.engine.call(measure)
+        log.info("decode replica %s: TWP calibration %s", self.replica_id, self.calibration)
+
     # -- live reconfiguration (Serve's user_config) ----------------------------------------
     async def reconfigure(self, user_config: dict[str, Any]) -> None:
         """Serve's ``user_config`` hook (at start and on every change, no restart): Fairway's
@@ -785,10 +825,13 @@ class EngineReplica:
     def live_config(self) -> dict[str, Any]:
         """The parameters the engine's scheduler runs with now, and the last refusal."""
         pd = getattr(self.engine.scheduler, "pd_config", None)
+        gate = getattr(self.engine.scheduler, "gate", None)
         return {
             "fairway": None if pd is None else pd.fairway.model_dump(),
             "twp": None if pd is None else pd.twp.model_dump(),
             "window_tokens": self.engine.load.get("window_tokens"),
+            "calibration": self.calibration,
+            "twp_counters": None if gate is None else asdict(gate.state.counters),
             "applied": self.live_config_applied,
             "refused": self.live_config_refused,
             "error": self.live_config_error,

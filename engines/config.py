@@ -53,7 +53,14 @@ class EngineSchedulerConfig(BaseModel):
     profile: EngineProfile | str | None = Field(
         default=None,
         description="Engine profile (patience table, decode l_min/B0/alpha): inline, a JSON "
-        "path, or a shipped profile name. Needed by fairway, peek and twp.",
+        "path, a shipped profile name, or 'auto' (the serving layer picks the profile "
+        "measured for this platform, vLLM and model preset; none: profile_fallback, else a "
+        "config error). Needed by fairway, peek and twp.",
+    )
+    profile_fallback: str | None = Field(
+        default=None,
+        description="With profile 'auto': the profile (shipped name or JSON path) used when "
+        "none was measured for this engine and model; null: that is a config error.",
     )
     channel: str | None = Field(
         default=None,
@@ -75,7 +82,7 @@ class EngineSchedulerConfig(BaseModel):
     def _profile_loads(cls, v: EngineProfile | str | None) -> EngineProfile | str | None:
         """A profile named by path or shipped name must load (at deploy time, not in the
         engine later)."""
-        if isinstance(v, str):
+        if isinstance(v, str) and v != "auto":
             from engines.profile_store import load_profile
 
             try:
@@ -83,6 +90,11 @@ class EngineSchedulerConfig(BaseModel):
             except Exception as e:  # a missing file, a bad shipped name, a malformed JSON
                 raise ValueError(f"{v!r} cannot be loaded: {e}") from None
         return v
+
+    @field_validator("profile_fallback")
+    @classmethod
+    def _fallback_loads(cls, v: str | None) -> str | None:
+        return None if v is None else cls._profile_loads(v)  # type: ignore[return-value]
 
     @model_validator(mode="after")
     def _check(self) -> EngineSchedulerConfig:
@@ -97,6 +109,11 @@ class EngineSchedulerConfig(BaseModel):
         """The profile object (loading a path or shipped name); ``None`` when not set."""
         if self.profile is None or isinstance(self.profile, EngineProfile):
             return self.profile
+        if self.profile == "auto":
+            raise ValueError(
+                "profile: 'auto' is resolved by the serving layer before the engine starts "
+                "(deployments.config.engine_launch); here it must name a profile"
+            )
         from engines.profile_store import load_profile
 
         return load_profile(self.profile)

@@ -41,7 +41,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, ClassVar
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -215,6 +215,26 @@ class PdserveSchedulerMixin:
                 policy = getattr(policy, "inner", None)
         if update:
             self.pd_config = self.pd_config.model_copy(update=update)
+
+    def calibrate_decode(self, l_min_s: float) -> dict[str, float] | None:
+        """Set the profile's decode ``l_min`` to ``l_min_s``, the single-stream inter-token
+        latency measured on this very engine as it serves (its step loop, its process), with
+        ``alpha`` scaled alike; the TWP gate restarts its estimate there (``sigma`` = 1).
+
+        The shipped profiles are measured on a bare engine: inside a serving replica the
+        engine shares its process with the replica's event loop and NIXL polling, so a lone
+        stream's ITL is higher (2.7 ms bare, 6-8 ms in the replica for the ``test`` model
+        on 2 cores), and TWP would read the difference as overload and hold its window at the
+        floor. Returns ``{"l_min_s", "profile_l_min_s"}``, or ``None`` without a TWP gate."""
+        if self.gate is None or self.profile is None or not l_min_s > 0:
+            return None
+        old = self.profile.decode
+        scale = l_min_s / old.l_min_s
+        decode = old.model_copy(update={"l_min_s": l_min_s, "alpha_s": old.alpha_s * scale})
+        self.profile = self.profile.model_copy(update={"decode": decode})
+        self.gate.reconfigure(self.gate.config, self.profile)
+        self.gate.state = replace(self.gate.state, itl_hat_s=l_min_s, sigma=1.0)
+        return {"l_min_s": l_min_s, "profile_l_min_s": old.l_min_s}
 
     # ----- the step hooks ------------------------------------------------------------
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
@@ -429,7 +449,9 @@ class PdserveSchedulerMixin:
                 )
             )
         running_views = []
-        for r in self.running:
+        # admitted requests still pulling their KV (PD decode) are committed load: without
+        # them, every request arriving while others' KV is in flight sees an empty window
+        for r in self._committed(ordered):
             i2 = info.get(r.request_id)
             lh = i2.l_hat if i2 is not None and i2.l_hat else gate.expected_output("", r.max_tokens)
             running_views.append(
@@ -460,10 +482,20 @@ class PdserveSchedulerMixin:
         return admitted, held
 
     # ----- helpers -------------------------------------------------------------------
+    def _committed(self, waiting: Any) -> list[Any]:
+        """The requests the gate has let in: vLLM's running ones, and the admitted ones
+        still waiting for their remote KV (``WAITING_FOR_REMOTE_KVS``)."""
+        held_kv = list(getattr(self, "kv_holding_waiting", ()))  # vLLM keeps them apart
+        loading = [
+            r for r in [*waiting, *held_kv] if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        ]
+        return [*self.running, *loading]
+
     def _running_token_load(self) -> int:
-        """``K = sum max(1, L_hat - generated)`` over vLLM's running requests (tokens)."""
+        """``K = sum max(1, L_hat - generated)`` over the committed requests (tokens): vLLM's
+        running ones and those admitted and pulling their KV."""
         k = 0
-        for r in self.running:
+        for r in self._committed(self.waiting):
             i = self._info.get(r.request_id)
             lh = i.l_hat if i is not None and i.l_hat else r.max_tokens
             k += max(1, lh - r.num_output_tokens)

