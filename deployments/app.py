@@ -150,6 +150,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
             ray_actor_options=actor_options(e.num_cpus, e.num_gpus, e.resources),
             health_check_timeout_s=60,
             health_check_period_s=e.health_check_period_s,
+            graceful_shutdown_timeout_s=e.drain_timeout_s,
             request_router_config=request_router_config(cfg, role),
             user_config=live[role] or None,
         ).bind(d, role)

@@ -219,6 +219,21 @@ class EngineConfig(_Strict):
         "profiles are measured on a bare engine; in a replica a lone stream is slower, "
         "which TWP would read as overload).",
     )
+    drain_timeout_s: float = Field(
+        default=60.0,
+        gt=0,
+        le=3600,
+        description="Graceful drain on scale-down or redeploy (Serve's "
+        "graceful_shutdown_timeout_s): a replica that is going stops taking new calls and "
+        "has this long to finish its streams and hand over its pinned KV before it is killed.",
+    )
+    drain_kv_s: float = Field(
+        default=30.0,
+        ge=0,
+        le=600,
+        description="Within the drain, the longest wait for KV pinned for a transfer to be "
+        "pulled (vLLM's NIXL lease is 30 s: after it the blocks are freed anyway).",
+    )
     wedge_timeout_s: float = Field(
         default=120.0,
         gt=0,

@@ -291,6 +291,18 @@ class InProcessEngine:
             return math.inf
         return max(0.0, time.monotonic() - self.beat)
 
+    def wait_idle(self, timeout_s: float, poll_s: float = 0.05) -> bool:
+        """Wait (blocking, at most ``timeout_s``) until the engine has no request left, KV
+        transfers included; whether it got there. A dead or wedged engine is not waited on."""
+        deadline = time.monotonic() + timeout_s
+        while self.scheduler.has_requests():
+            if self.failure is not None or not self._thread.is_alive():
+                return False
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(poll_s)
+        return True
+
     def hold(self, seconds: float) -> None:
         """Block the engine thread for ``seconds`` (a wedge, on purpose: fault tests)."""
         self._submit(lambda: time.sleep(seconds))
@@ -943,11 +955,21 @@ class EngineReplica:
         return self.replica_id
 
     def __del__(self) -> None:
-        eng = getattr(self, "engine", None)
-        if eng is not None:
-            eng.shutdown()
+        """The last step of Serve's graceful shutdown (scale-down, redeploy), after Serve
+        stopped routing to this replica and its calls drained (within
+        ``graceful_shutdown_timeout_s``, which is ``drain_timeout_s``): its index entries go
+        first, so no ingress routes by them; then it waits, bounded, until its engine holds
+        no KV for a transfer (a prefill's blocks a decode replica has yet to pull: stopping
+        now would fail that pull); then the engine stops."""
         if getattr(self, "feed", None) is not None:
             self._drop_from_index()
+            self.feed = None
+        eng = getattr(self, "engine", None)
+        if eng is not None:
+            cfg = getattr(self, "cfg", None)
+            limit = cfg.engine(self.role).drain_kv_s if cfg is not None else 0.0
+            eng.wait_idle(limit)
+            eng.shutdown()
 
     def _drop_from_index(self) -> None:
         """Remove this replica's entries from the Redis index now (on its own loop and
