@@ -311,6 +311,12 @@ class IngressConfig(_Strict):
     health_timeout_s: float = Field(
         default=5.0, gt=0, le=600, description="Longest wait for one engine's readiness probe."
     )
+    warm_up: bool = Field(
+        default=True,
+        description="/health says ready only after one request has gone from every prefill "
+        "replica to every decode replica (NIXL handshakes and first-use costs paid before the "
+        "first client's request); new replicas are warmed as they join.",
+    )
     max_queued_requests_per_replica: int = Field(
         default=128,
         ge=1,

@@ -412,6 +412,14 @@ class IngressCore:
         self.overload_refused = 0
         #: requests answered 504 because their deadline passed (both engines aborted them)
         self.deadline_exceeded = 0
+        #: warm-up: (prefill, decode) replica pairs a request has gone through, the task
+        #: warming the rest, failures, and seconds per warmed pair
+        self._warm: set[tuple[str, str]] = set()
+        self._warming: asyncio.Task[None] | None = None
+        self._warm_seq = 0
+        self._was_warm = False
+        self.warm_up_failures = 0
+        self.warm_up_s: list[float] = []
         #: user_config changes applied and refused, and the last refusal
         self.live_applied = 0
         self.live_refused = 0
@@ -585,6 +593,10 @@ class IngressCore:
 
     # -- endpoints -----------------------------------------------------------------------
     async def health(self) -> JSONResponse:
+        """Readiness: 200 once both roles have a replica that served a probe and (with
+        ``ingress.warm_up``) one request has gone from every prefill replica to every decode
+        replica, so the NIXL handshakes and the engines' first-use costs are paid before the
+        first client's request; 503 ``starting`` or ``warming`` before."""
         self._ensure_started()
         t = self.cfg.ingress.health_timeout_s
         status: dict[str, Any] = {}
@@ -594,10 +606,74 @@ class IngressCore:
             except Exception as e:  # not ready, or not reachable in time
                 status[role] = f"not ready: {type(e).__name__}"
         ok = all(v is True for v in status.values())
-        return JSONResponse(
-            {"status": "ok" if ok else "starting", "engines": status},
-            status_code=200 if ok else 503,
+        body: dict[str, Any] = {"status": "ok" if ok else "starting", "engines": status}
+        if ok and self.cfg.ingress.warm_up:
+            left = self._pairs_to_warm()
+            if left is None or left:
+                self._start_warm_up(left or [])
+                # once ready, replicas that join later warm in the background: a scale-up
+                # must not take the whole endpoint out of its load balancer
+                if not self._was_warm:
+                    ok = False
+                    body["status"] = "warming"
+            else:
+                self._was_warm = True
+            body["warm_up"] = {"pairs_warmed": len(self._warm), "pairs_left": len(left or [])}
+        return JSONResponse(body, status_code=200 if ok else 503)
+
+    # -- warm-up: one request through every prefill -> decode pair before ready -------------
+    def _pairs_to_warm(self) -> list[tuple[str, str]] | None:
+        """The (prefill, decode) replica pairs no request has gone through yet; ``None``
+        while the routers have not listed both roles' replicas."""
+        pre = sorted(self.directories["prefill"].snapshot())
+        dec = sorted(self.directories["decode"].snapshot())
+        if not pre or not dec:
+            return None
+        current = {(p, d) for p in pre for d in dec}
+        self._warm &= current  # pairs of replicas that left
+        return sorted(current - self._warm)
+
+    def _start_warm_up(self, pairs: list[tuple[str, str]]) -> None:
+        if not pairs or (self._warming is not None and not self._warming.done()):
+            return
+        self._warming = asyncio.get_running_loop().create_task(self._warm_up(pairs))
+
+    async def _warm_up(self, pairs: list[tuple[str, str]]) -> None:
+        for p, d in pairs:
+            t0 = time.monotonic()
+            try:
+                await asyncio.wait_for(self._warm_pair(p, d), self.cfg.ingress.engine_timeout_s)
+            except Exception as e:  # retried at the next /health
+                self.warm_up_failures += 1
+                log.warning("warm-up of prefill %s -> decode %s failed: %s", p, d, e)
+                continue
+            self._warm.add((p, d))
+            self.warm_up_s.append(time.monotonic() - t0)
+
+    async def _warm_pair(self, p: str, d: str) -> None:
+        """One request of two KV blocks, prefilled on ``p`` and decoded on ``d`` (pinned)
+        under a salt of its own, so ``d`` pulls it over NIXL instead of finding it cached."""
+        block = self.cfg.hashing.block_size
+        vocab = max(16, len(self.tokenizer.tok) - 1)
+        ids = tuple(5 + (k * 7) % (vocab - 5) for k in range(2 * block))
+        self._warm_seq += 1
+        rid = f"warmup-{self._warm_seq}-{self.replica_id}"
+        base = EngineRequest(
+            rid,
+            ids,
+            Sampling(max_tokens=2, temperature=0.0, ignore_eos=True),
+            cache_salt=f"pdserve-warmup:{p}:{d}",
         )
+        pre: EngineChunk = await self.prefill.prefill.remote(
+            replace(base, route=RouteHint(len(ids), None, 2, pin=p))
+        )
+        dreq = replace(
+            base,
+            kv_transfer_params=pre.kv_transfer_params,
+            route=RouteHint(len(ids), None, 2, pin=d),
+        )
+        async for _ in self.decode_stream.decode.remote(dreq):
+            pass
 
     def models(self) -> dict[str, Any]:
         return {
@@ -647,6 +723,11 @@ class IngressCore:
                 "overload_refused": self.overload_refused,
             },
             "deadline_exceeded": self.deadline_exceeded,
+            "warm_up": {
+                "pairs_warmed": sorted(f"{p}->{d}" for p, d in self._warm),
+                "failures": self.warm_up_failures,
+                "seconds": [round(x, 3) for x in self.warm_up_s[-16:]],
+            },
             "live_config": {
                 "routing": self.cfg.routing.model_dump(mode="json"),
                 "applied": self.live_applied,

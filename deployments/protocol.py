@@ -94,8 +94,8 @@ class RouteHint:
     time (the router then routes by load and counts ``index_unavailable``). ``block_hashes``
     are the prompt's block hashes, so the router can count the blocks it has sent to a replica
     that the index does not show yet (:class:`controllers.routing.InflightPrefixes`). ``pin``
-    forces a replica (tests); when it is gone the router counts ``pinned_replica_gone`` and
-    routes as usual.
+    forces a replica, prefill or decode (the ingress's warm-up of each replica pair, tests);
+    when it is gone the router counts ``pinned_replica_gone`` and routes as usual.
     """
 
     prompt_tokens: int

@@ -304,6 +304,11 @@ class DecodeRouter(_PolicyRouter):
         self, key: str, req: EngineRequest, candidates: list[RunningReplica], now: float
     ) -> tuple[list[str], int]:
         ttl = self.cfg.inflight_ttl_s
+        pin = req.route.pin if req.route is not None else None
+        if pin is not None:  # the ingress's warm-up of one prefill -> decode pair
+            if pin in {r.replica_id.unique_id for r in candidates}:
+                return [pin], 1
+            self.counters.count("pinned_replica_gone")
         loads = []
         for r in candidates:
             s = r.routing_stats

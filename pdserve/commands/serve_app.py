@@ -198,6 +198,39 @@ def _stop_local_redis() -> None:
             typer.echo(f"pdserve: stopped redis-server ({pidfile.stem})")
 
 
+@bench_app.command("warm-start")
+def bench_warm_start(
+    config: Path = typer.Option(DEFAULT_CONFIG, help="Serve YAML of the application."),
+    requests: int = typer.Option(10, min=2, help="Sequential requests after ready."),
+    json_out: Path | None = typer.Option(None, "--json", help="Write the results as JSON here."),
+) -> None:
+    """The first requests after /health says ready, with and without the pair warm-up
+    (brings the app up and down twice; nothing else may run on port 8000)."""
+    from bench.warm_start import run
+    from pdserve.output import table, write_json
+
+    if not config.exists():
+        raise typer.BadParameter(f"{config} does not exist", param_hint="--config")
+    res = run(config, requests=requests)
+    rows = []
+    for variant in ("warm_up", "no_warm_up"):
+        r = res[variant]
+        rest = sorted(r["ttft_s"][1:])[len(r["ttft_s"][1:]) // 2]
+        rows.append(
+            [
+                variant,
+                f"{r['ready_s']:.1f}",
+                f"{r['ttft_s'][0] * 1e3:.0f}",
+                f"{rest * 1e3:.0f}",
+                f"{r['first_over_rest']:.2f}",
+            ]
+        )
+    typer.echo(
+        table(["variant", "up -> ready s", "1st TTFT ms", "rest TTFT ms", "1st / rest"], rows)
+    )
+    write_json(json_out, res)
+
+
 @bench_app.command("pd")
 def bench_pd(
     url: str = typer.Option("http://127.0.0.1:8000", help="Base URL of the running app."),

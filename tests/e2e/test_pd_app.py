@@ -33,6 +33,10 @@ def test_models_and_health(pd_app: dict[str, Any]) -> None:
     h = httpx.get(f"{pd_app['url']}/health", timeout=30)
     assert h.status_code == 200
     assert h.json()["engines"] == {"prefill": True, "decode": True}
+    # ready means warm: a request has gone from the prefill to the decode replica over NIXL
+    assert h.json()["warm_up"] == {"pairs_warmed": 1, "pairs_left": 0}
+    warmed = _stats(pd_app)["ingress"]["warm_up"]["pairs_warmed"]
+    assert len(warmed) == 1 and decode_counters(pd_app)["external_hits"] > 0
 
 
 def test_completion_non_streaming(pd_app: dict[str, Any]) -> None:

@@ -88,6 +88,9 @@ def _wire(tiny_model_dir: Path, extra: dict[str, Any]) -> Any:
     from deployments.http_guard import BodyGuard
     from deployments.ingress import IngressCore, api
 
+    # no replica directories behind the fakes: readiness without the pair warm-up
+    extra = {**extra, "ingress": {"warm_up": False, **extra.get("ingress", {})}}
+
     cfg = AppConfig.model_validate(
         {
             "model": {"path": str(tiny_model_dir), "build_preset": None},
@@ -656,3 +659,43 @@ def test_routing_user_config_applies_live_and_bad_values_keep_the_old(tiny_model
         assert core.cfg.routing.policy == "round_robin"
         assert routing_of("live-unit")[0] == version  # nothing republished
     assert core.live_refused == 4 and core.live_applied == 1
+
+
+def test_ready_waits_for_every_prefill_decode_pair_to_be_warmed(tiny_model_dir: Path) -> None:
+    """/health is 503 ``warming`` until one request has gone from each prefill replica to each
+    decode replica (pinned, each pair under its own salt so the decode side pulls the KV);
+    a replica that joins later is warmed in the background while /health stays 200."""
+    import asyncio
+    import json as _json
+
+    from deployments.config import AppConfig
+    from deployments.ingress import IngressCore
+    from deployments.router_registry import directory
+
+    app = "warm-unit"
+    cfg = AppConfig.model_validate(
+        {"model": {"path": str(tiny_model_dir), "build_preset": None}, "index": {"backend": "none"}}
+    ).model_dump(mode="json")
+    pre, dec = FakeEngine("prefill"), FakeEngine("decode")
+    core = IngressCore(cfg, pre, dec, app_name=app)
+    directory(app, "prefill").update({"p1": {}, "p2": {}})
+    directory(app, "decode").update({"d1": {}})
+
+    async def run() -> None:
+        r = await core.health()
+        assert r.status_code == 503 and _json.loads(r.body)["status"] == "warming"
+        assert core._warming is not None
+        await core._warming
+        r = await core.health()
+        assert r.status_code == 200 and _json.loads(r.body)["warm_up"]["pairs_left"] == 0
+        directory(app, "prefill").update({"p1": {}, "p2": {}, "p3": {}})
+        assert (await core.health()).status_code == 200  # p3 warms in the background
+        await core._warming
+        assert _json.loads((await core.health()).body)["warm_up"]["pairs_warmed"] == 3
+
+    asyncio.run(run())
+    assert sorted(q.route.pin for q in pre.seen if q.route) == ["p1", "p2", "p3"]
+    decodes = [q for q in dec.seen]
+    assert [q.route.pin for q in decodes if q.route] == ["d1"] * 3
+    assert all(q.kv_transfer_params == KV for q in decodes)
+    assert len({q.cache_salt for q in decodes}) == 3  # one salt per pair: a real pull each
