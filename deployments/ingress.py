@@ -19,7 +19,9 @@ One request goes through named phases (:class:`IngressCore`):
 Each phase is a span of the request's trace, and each request feeds the ``pdserve_*`` metrics
 (:mod:`deployments.telemetry`). ``/tokenize`` and ``/detokenize`` are vLLM's routes.
 
-``/health`` is readiness: 200 only when both roles have a replica that served a probe request;
+``/health`` is readiness: 200 only when both roles have a replica that served a probe request
+and (``ingress.warm_up``) one request has gone through every prefill -> decode replica pair;
+every request has a deadline (``ingress.request_timeout_s``, or less by ``X-Request-Timeout``);
 ``/v1/models`` lists the model. ``/v1/pdserve/stats`` reports every engine replica (its id, the
 requests routed to it, prompt and cached tokens, load), the routers' policy and named
 fallbacks, the index and the ingress's own overhead. ``/v1/pdserve/route`` explains where a
