@@ -414,6 +414,8 @@ class IngressCore:
         self.overload_refused = 0
         #: requests answered 504 because their deadline passed (both engines aborted them)
         self.deadline_exceeded = 0
+        #: requests prefilled on their decode replica (conditional disaggregation)
+        self.decode_local = 0
         #: warm-up: (prefill, decode) replica pairs a request has gone through, the task
         #: warming the rest, failures, and seconds per warmed pair
         self._warm: set[tuple[str, str]] = set()
@@ -725,6 +727,7 @@ class IngressCore:
                 "overload_refused": self.overload_refused,
             },
             "deadline_exceeded": self.deadline_exceeded,
+            "decode_local": self.decode_local,
             "warm_up": {
                 "pairs_warmed": sorted(f"{p}->{d}" for p, d in self._warm),
                 "failures": self.warm_up_failures,
@@ -827,12 +830,33 @@ class IngressCore:
             },
         )
         span.end()
+        if self._decode_local(prep):
+            return await self._respond([(prep, _local_prefill(prep))])
         try:
             self.admit_prefill([(prep, hint)])
             pre = await self.run_prefill(prep, hint)
         except RequestError as e:
             return self._failed(prep, e)
         return await self._respond([(prep, pre)])
+
+    def _decode_local(self, prep: Prepared) -> bool:
+        """Conditional disaggregation: a prompt shorter than
+        ``routing.local_prefill_threshold_tokens`` is prefilled on its decode replica (no
+        prefill call, no KV transfer; counted as ``decode_local``): for a short prompt the
+        hand-off costs more than the compute. Requests that need the prefill's own output
+        (``echo``, prompt logprobs) always go through the prefill replica.
+
+        Weaker than the pure rule (:func:`controllers.routing.route`, which counts the
+        uncached part at the best prefill replica): what matters here is the decode
+        replica's cache, and decode replicas do not feed the prefix index, so a long prompt
+        that is nearly fully cached is not sent decode-local."""
+        threshold = self.cfg.routing.local_prefill_threshold_tokens
+        if not threshold or len(prep.ids) >= threshold or prep.echo is not None:
+            return False
+        if prep.sampling.prompt_logprobs is not None or prep.echo_only:
+            return False
+        self.decode_local += 1
+        return True
 
     async def _respond(self, parts: list[tuple[Prepared, EngineChunk]]) -> Any:
         """Decode every part (one prompt each) and answer, streamed or as one body."""
@@ -1440,6 +1464,12 @@ class IngressCore:
         if status >= 400:
             span.set_status(Status(StatusCode.ERROR, message))
         span.end()
+
+
+def _local_prefill(prep: Prepared) -> EngineChunk:
+    """The stand-in for a prefill's result when the decode replica prefills the prompt
+    itself: no KV to pull (``kv_transfer_params`` None), nothing cached known here."""
+    return EngineChunk("", (), None, len(prep.ids), 0, 0.0, kv_transfer_params=None)
 
 
 def _uncached(prep: Prepared, hint: RouteHint) -> int:

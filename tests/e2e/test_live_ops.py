@@ -204,6 +204,45 @@ def test_a_bad_user_config_is_refused_naming_the_field_and_the_old_values_stay(
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
 
 
+def test_short_prompts_go_decode_local_once_the_threshold_is_set_live(
+    live_app: dict[str, Any],
+) -> None:
+    """Conditional disaggregation, switched on through the ingress's user_config: a short
+    prompt is then prefilled on its decode replica (no prefill call, counted), with the same
+    greedy output as through the PD path; a long one still goes through the prefill."""
+
+    def run(prompt: str) -> dict[str, Any]:
+        body = {"model": "test", "prompt": prompt, "max_tokens": 8, "temperature": 0}
+        r = httpx.post(f"{live_app['url']}/v1/completions", json=body, headers=AUTH, timeout=60)
+        assert r.status_code == 200, r.text
+        return dict(r.json())
+
+    short = "a short question"
+    pd = run(short)["choices"][0]["text"]
+    live_app["deploy"](
+        {"ingress": {"user_config": {"routing": {"local_prefill_threshold_tokens": 64}}}}
+    )
+    wait_until(
+        lambda: (
+            ingress_stats(live_app)["ingress"]["live_config"]["routing"][
+                "local_prefill_threshold_tokens"
+            ]
+            == 64
+        ),
+        "the threshold applied",
+        60,
+    )
+    before_local = ingress_stats(live_app)["ingress"]["decode_local"]
+    before_prefill = engine_stats(live_app, "prefill")
+    out = run(short)
+    assert out["choices"][0]["text"] == pd  # the decode engine's own prefill, same greedy text
+    assert out["pdserve"]["prefill_replica"] is None
+    assert ingress_stats(live_app)["ingress"]["decode_local"] == before_local + 1
+    long_out = run(" ".join(f"word{i}" for i in range(120)))
+    assert long_out["pdserve"]["prefill_replica"] == before_prefill["replica_id"]
+    live_app["deploy"]({})  # back to the args' routing
+
+
 def test_scaling_decode_down_drains_its_streams(live_app: dict[str, Any]) -> None:
     """Two decode replicas serving long streams; the deployment is scaled to one (Serve
     config, no restart of the rest): the replica that goes stops taking new work, every

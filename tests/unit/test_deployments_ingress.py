@@ -699,3 +699,20 @@ def test_ready_waits_for_every_prefill_decode_pair_to_be_warmed(tiny_model_dir: 
     assert [q.route.pin for q in decodes if q.route] == ["d1"] * 3
     assert all(q.kv_transfer_params == KV for q in decodes)
     assert len({q.cache_salt for q in decodes}) == 3  # one salt per pair: a real pull each
+
+
+def test_short_prompts_are_prefilled_on_their_decode_replica(tiny_model_dir: Path) -> None:
+    """routing.local_prefill_threshold_tokens: a prompt shorter than it skips the prefill
+    replica (the decode request carries no KV parameters: the decode engine computes the
+    prompt); a longer one, or one asking for the prefill's own output (echo), goes PD."""
+    client, pre, dec = _wire(tiny_model_dir, {"routing": {"local_prefill_threshold_tokens": 32}})
+    body = {"model": "test", "prompt": "short one", "max_tokens": 3}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    assert pre.seen == [] and dec.seen[-1].kv_transfer_params is None
+    long_prompt = " ".join(f"w{i}" for i in range(60))
+    assert client.post("/v1/completions", json=body | {"prompt": long_prompt}).status_code == 200
+    assert len(pre.seen) == 1 and dec.seen[-1].kv_transfer_params == KV
+    assert client.post("/v1/completions", json=body | {"echo": True}).status_code == 200
+    assert len(pre.seen) == 2
+    assert client.get("/stats").json()["ingress"]["decode_local"] == 1
