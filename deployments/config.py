@@ -700,7 +700,8 @@ class AppConfig(_Strict):
 class EngineLiveConfig(_Strict):
     """An engine deployment's Serve ``user_config``: the scheduler plug-in's parameters that
     change without a restart (``serve deploy`` with a new ``user_config``; Serve calls the
-    replicas' ``reconfigure``). A field left out keeps its value."""
+    replicas' ``reconfigure``). A section left out keeps its values; a section given is the
+    whole section (its fields left out take their defaults, not their current values)."""
 
     fairway: FairwayConfig | None = Field(
         default=None, description="Fairway's parameters (prefill; new arrivals see them)."

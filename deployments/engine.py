@@ -293,7 +293,7 @@ class InProcessEngine:
 
     def wait_idle(self, timeout_s: float, poll_s: float = 0.05) -> bool:
         """Wait (blocking, at most ``timeout_s``) until the engine has no request left, KV
-        transfers included; whether it got there. A dead or wedged engine is not waited on."""
+        transfers included; whether it got there (a dead engine: at once, False)."""
         deadline = time.monotonic() + timeout_s
         while self.scheduler.has_requests():
             if self.failure is not None or not self._thread.is_alive():
@@ -967,8 +967,8 @@ class EngineReplica:
         eng = getattr(self, "engine", None)
         if eng is not None:
             cfg = getattr(self, "cfg", None)
-            limit = cfg.engine(self.role).drain_kv_s if cfg is not None else 0.0
-            eng.wait_idle(limit)
+            if cfg is not None and self.wedged() is None:  # a wedged engine is not waited on
+                eng.wait_idle(cfg.engine(self.role).drain_kv_s)
             eng.shutdown()
 
     def _drop_from_index(self) -> None:
