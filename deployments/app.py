@@ -140,7 +140,8 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     d = cfg.model_dump(mode="json")
     live = live_defaults(cfg)
     engines = {}
-    roles: tuple[Role, Role] = ("prefill", "decode")
+    # colocated: one deployment ("prefill") whose engines do both phases
+    roles: tuple[Role, ...] = ("prefill",) if cfg.mode == "colocated" else ("prefill", "decode")
     for role in roles:
         e = cfg.engine(role)
         engines[role] = Engine.options(
@@ -160,4 +161,4 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         max_ongoing_requests=cfg.ingress.max_ongoing_requests,
         ray_actor_options=actor_options(cfg.ingress.num_cpus, 0, cfg.ingress.resources),
         user_config=live["ingress"],
-    ).bind(d, engines["prefill"], engines["decode"])
+    ).bind(d, engines["prefill"], engines.get("decode", engines["prefill"]))

@@ -611,6 +611,14 @@ class ObservabilityConfig(_Strict):
 class AppConfig(_Strict):
     """The whole prefill/decode application."""
 
+    mode: Literal["pd", "colocated"] = Field(
+        default="pd",
+        description="pd: prefill and decode on their own replicas, KV handed over by NIXL. "
+        "colocated: one engine does both phases (the TWP paper's setting: "
+        "engines.scheduler.ColocatedScheduler, Fairway and TWP with chunked prefill); the "
+        "'prefill' block configures those engines, routed by the prefix index, and 'decode' "
+        "is not used.",
+    )
     model: ModelConfig = Field(default_factory=ModelConfig, description="The served model.")
     hashing: HashingConfig = Field(
         default_factory=HashingConfig, description="KV block hashing (engines and ingress)."
@@ -869,7 +877,9 @@ def engine_launch(cfg: AppConfig, role: Role, ports: ReplicaPorts) -> EngineLaun
         cpu_bind=e.cpu_bind,
         scheduler_cls=e.scheduler_cls,
         scheduler=cfg.scheduler_config(role),
-        kv_transfer=KVTransfer(
+        kv_transfer=None
+        if cfg.mode == "colocated"
+        else KVTransfer(
             role="kv_producer" if role == "prefill" else "kv_consumer",
             side_channel_host=ports.host,
             side_channel_port=ports.nixl,

@@ -477,7 +477,8 @@ class EngineReplica:
             await self._check_hashes_and_feed()
         await self.ready()
         self.calibration: dict[str, float] | None = None
-        if role == "decode" and self.cfg.decode.calibrate_decode:
+        decodes_here = role == "decode" or self.cfg.mode == "colocated"
+        if decodes_here and self.cfg.engine(role).calibrate_decode:
             await self._calibrate_decode()
 
     # -- the index side ------------------------------------------------------------------

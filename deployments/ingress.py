@@ -329,6 +329,11 @@ class Prepared:
     #: the request's deadline (monotonic seconds): ``ingress.request_timeout_s`` from its
     #: arrival, or less when the client asked (``X-Request-Timeout``)
     deadline: float = math.inf
+    #: the index's answer for the prompt (colocated mode routes the whole request by it)
+    hint: RouteHint | None = None
+    #: prompt tokens the engine that computed the prompt found cached, when that was the
+    #: decode (or colocated) engine rather than a prefill replica
+    local_cached: int | None = None
 
 
 #: Statistics of the directory reports shown per replica in ``/v1/pdserve/stats``.
@@ -378,6 +383,8 @@ class IngressCore:
         self.prefill = prefill.options()
         self.decode = decode.options()
         self.decode_stream = decode.options(stream=True)
+        #: colocated mode: ``decode`` is the one engine deployment, which does both phases
+        self.colocated = self.cfg.mode == "colocated"
         self.tokenizer = Tokenizer(str(self.cfg.model.resolved_path()))
         self.defaults = model_defaults(str(self.cfg.model.resolved_path()))
         self.model_name = self.cfg.model.served_name
@@ -604,14 +611,22 @@ class IngressCore:
         self._ensure_started()
         t = self.cfg.ingress.health_timeout_s
         status: dict[str, Any] = {}
-        for role, h in (("prefill", self.prefill), ("decode", self.decode)):
+        roles = (
+            (("prefill", self.prefill),)
+            if self.colocated
+            else (
+                ("prefill", self.prefill),
+                ("decode", self.decode),
+            )
+        )
+        for role, h in roles:
             try:
                 status[role] = bool(await asyncio.wait_for(h.ready.remote(), t))
             except Exception as e:  # not ready, or not reachable in time
                 status[role] = f"not ready: {type(e).__name__}"
         ok = all(v is True for v in status.values())
         body: dict[str, Any] = {"status": "ok" if ok else "starting", "engines": status}
-        if ok and self.cfg.ingress.warm_up:
+        if ok and self.cfg.ingress.warm_up and not self.colocated:
             left = self._pairs_to_warm()
             if left is None or left:
                 self._start_warm_up(left or [])
@@ -830,6 +845,13 @@ class IngressCore:
             },
         )
         span.end()
+        prep.hint = hint
+        if self.colocated:  # one engine does both: the prompt's slot lasts the whole stream
+            try:
+                self.admit_prefill([(prep, hint)])
+            except RequestError as e:
+                return self._failed(prep, e)
+            return await self._respond([(prep, _local_prefill(prep))])
         if self._decode_local(prep):
             return await self._respond([(prep, _local_prefill(prep))])
         try:
@@ -913,10 +935,14 @@ class IngressCore:
         for prep in preps:
             prep.parent = root  # every prompt's engine calls are children of the root
         hints = [await self.route(prep) for prep in preps]
+        for prep, h in zip(preps, hints, strict=True):
+            prep.hint = h
         try:
             self.admit_prefill(list(zip(preps, hints, strict=True)))
         except RequestError as e:
             return self._failed(preps[0], e, also=preps[1:])
+        if self.colocated:
+            return await self._respond([(prep, _local_prefill(prep)) for prep in preps])
 
         async def prefill(prep: Prepared, hint: RouteHint) -> EngineChunk:
             _own_serve_request_id()  # this task's calls: this prompt's own request id
@@ -1050,6 +1076,7 @@ class IngressCore:
         salt = space if not body.cache_salt else f"{space}:{body.cache_salt}"
         max_len = self.cfg.model.max_model_len
         max_ctx = limits.max_context_tokens
+        colocated = self.colocated
 
         def work() -> tuple[list[int], str | None, Resolved, dict[str, list[int]]]:
             text: str | None
@@ -1080,6 +1107,13 @@ class IngressCore:
                 defaults=self.defaults,
                 max_tokens_cap=limits.max_tokens,
             )
+            if colocated and resolved.sampling.prompt_logprobs is not None:
+                field = "echo" if getattr(body, "echo", False) else "prompt_logprobs"
+                raise RequestError(
+                    f"{field}: prompt log-probabilities are not returned in colocated mode "
+                    "(they come from a prefill replica in PD mode)",
+                    field,
+                )
             return ids, text, resolved, self.index.hashes(ids, salt)
 
         if _size(body) > self.cfg.ingress.tokenize_off_loop_chars:
@@ -1133,10 +1167,14 @@ class IngressCore:
         try:
             return await self._run_prefill(prep, hint, span)
         finally:
-            if prep.queued_tokens is not None:  # admitted by admit_prefill: out of the queue
-                self._inflight_prefill -= 1
-                self._inflight_uncached -= prep.queued_tokens
-                prep.queued_tokens = None
+            self._release_slot(prep)
+
+    def _release_slot(self, prep: Prepared) -> None:
+        """``prep`` leaves the prefill queue counted by :meth:`admit_prefill` (once)."""
+        if prep.queued_tokens is not None:
+            self._inflight_prefill -= 1
+            self._inflight_uncached -= prep.queued_tokens
+            prep.queued_tokens = None
 
     async def _run_prefill(self, prep: Prepared, hint: RouteHint, span: Any) -> EngineChunk:
         req = _engine_request(prep, span, route=hint)
@@ -1177,12 +1215,10 @@ class IngressCore:
         sooner) raise :class:`RequestError` (502/504); the stream is cancelled on the way
         out, which aborts the request in the decode engine (its KV blocks come back)."""
         span = child(self.tracer, "pdserve.decode", prep.parent)
-        dreq = _engine_request(
-            prep,
-            span,
-            kv_transfer_params=pre.kv_transfer_params,
-            route=RouteHint(len(prep.ids), None, prep.sampling.max_tokens * prep.sampling.n),
-        )
+        route = RouteHint(len(prep.ids), None, prep.sampling.max_tokens * prep.sampling.n)
+        if self.colocated and prep.hint is not None:  # the prefix index picks the engine
+            route = replace(prep.hint, expected_output_tokens=route.expected_output_tokens)
+        dreq = _engine_request(prep, span, kv_transfer_params=pre.kv_transfer_params, route=route)
         n_out = 0
         t = time.monotonic()
         stream = self.decode_stream.decode.remote(dreq)
@@ -1209,6 +1245,8 @@ class IngressCore:
                 prep.last_chunk_at = time.monotonic()
                 if prep.first_chunk_at is None:
                     prep.first_chunk_at = prep.last_chunk_at
+                    if pre.replica_id is None:  # this engine computed the prompt itself
+                        prep.local_cached = ch.num_cached_tokens
                     span.add_event("first_token")
                     set_attrs(span, {"replica": ch.replica_id})
                 n_out += len(ch.token_ids)
@@ -1221,6 +1259,7 @@ class IngressCore:
         finally:
             set_attrs(span, {"completion_tokens": n_out, "finished": done})
             span.end()
+            self._release_slot(prep)  # colocated: its slot lasted the stream
             if not done:
                 _cancel(stream)
 
@@ -1405,7 +1444,7 @@ class IngressCore:
         m.observe("pdserve_e2e_seconds", total_s, tenant=tenant)
         m.observe("pdserve_ingress_overhead_seconds", max(0.0, total_s - engine_s))
         m.inc("pdserve_prompt_tokens", len(prep.ids), tenant=tenant)
-        m.inc("pdserve_cached_tokens", pre.num_cached_tokens, tenant=tenant)
+        m.inc("pdserve_cached_tokens", _cached(prep, pre), tenant=tenant)
         m.inc("pdserve_completion_tokens", n_out, tenant=tenant)
         ttft = None
         if prep.first_chunk_at is not None:
@@ -1421,7 +1460,7 @@ class IngressCore:
                 {
                     "prefill_replica": pre.replica_id,
                     "decode_replica": last.replica_id if last else None,
-                    "cached_tokens": pre.num_cached_tokens,
+                    "cached_tokens": _cached(prep, pre),
                     "completion_tokens": n_out,
                     "ttft_s": ttft,
                     "engine_s": engine_s,
@@ -1464,6 +1503,11 @@ class IngressCore:
         if status >= 400:
             span.set_status(Status(StatusCode.ERROR, message))
         span.end()
+
+
+def _cached(prep: Prepared, pre: EngineChunk) -> int:
+    """Prompt tokens found cached by the engine that computed the prompt."""
+    return prep.local_cached if prep.local_cached is not None else pre.num_cached_tokens
 
 
 def _local_prefill(prep: Prepared) -> EngineChunk:
@@ -1528,7 +1572,7 @@ class _Tally:
         return usage(
             sum(pre.num_prompt_tokens for _, pre in self.parts),
             sum(self.n_out),
-            sum(pre.num_cached_tokens for _, pre in self.parts),
+            sum(_cached(prep, pre) for prep, pre in self.parts),
         )
 
 

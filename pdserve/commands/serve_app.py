@@ -231,6 +231,51 @@ def bench_warm_start(
     write_json(json_out, res)
 
 
+@bench_app.command("serve")
+def bench_serve(
+    config: Path = typer.Option(DEFAULT_CONFIG, help="Serve YAML of the PD application."),
+    colocated_config: Path = typer.Option(
+        DEFAULT_CONFIG.parent / "pd_colocated.yaml", help="Serve YAML of the colocated mode."
+    ),
+    levels: str = typer.Option("1,4,8", help="Concurrent streams, comma-separated."),
+    requests: int = typer.Option(16, min=2, help="Requests per level (half short prompts)."),
+    json_out: Path | None = typer.Option(None, "--json", help="Write the results as JSON here."),
+) -> None:
+    """PD vs conditional disaggregation vs colocated on the live app: TTFT, ITL and
+    throughput at each concurrency (brings the app up and down once per mode; nothing else
+    may run on its port)."""
+    from bench.serve_modes import MODES, run
+    from pdserve.output import csv_numbers, table, write_json
+
+    for path, hint in ((config, "--config"), (colocated_config, "--colocated-config")):
+        if not path.exists():
+            raise typer.BadParameter(f"{path} does not exist", param_hint=hint)
+    lv = [int(x) for x in csv_numbers(levels, int, "levels") if x > 0]
+    if not lv:
+        raise typer.BadParameter("expected positive stream counts", param_hint="--levels")
+    res = run(config, colocated_config, lv, requests=requests)
+    rows = []
+    for mode in MODES:
+        for c in lv:
+            r = res[mode][str(c)]
+            rows.append(
+                [mode, c]
+                + [
+                    "-" if r[k][q] is None else f"{r[k][q] * 1e3:.0f}"
+                    for k in ("ttft_s", "itl_s")
+                    for q in ("p50", "p99")
+                ]
+                + [f"{r['throughput_tps']:.1f}", r["errors"]]
+            )
+    heads = ["mode", "streams", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms"]
+    typer.echo(table([*heads, "tok/s", "errors"], rows))
+    for mode, by in res["ratios_to_pd"].items():
+        for c, r in by.items():
+            cells = ", ".join(f"{k} {v:.2f}" for k, v in r.items() if v is not None)
+            typer.echo(f"{mode} / pd at {c} streams: {cells}")
+    write_json(json_out, res)
+
+
 @bench_app.command("pd")
 def bench_pd(
     url: str = typer.Option("http://127.0.0.1:8000", help="Base URL of the running app."),

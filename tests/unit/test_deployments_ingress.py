@@ -716,3 +716,44 @@ def test_short_prompts_are_prefilled_on_their_decode_replica(tiny_model_dir: Pat
     assert client.post("/v1/completions", json=body | {"echo": True}).status_code == 200
     assert len(pre.seen) == 2
     assert client.get("/stats").json()["ingress"]["decode_local"] == 1
+
+
+def test_colocated_mode_sends_the_whole_request_to_one_engine(tiny_model_dir: Path) -> None:
+    """mode: colocated: no prefill call and no KV parameters; the one engine deployment gets
+    the decode call with the prefix index's hint (so its router can follow the prefix);
+    prompt log-probabilities, which come from a prefill replica, are a 400 naming the field."""
+    from deployments.config import AppConfig
+    from deployments.ingress import IngressCore
+
+    cfg = AppConfig.model_validate(
+        {
+            "mode": "colocated",
+            "model": {"path": str(tiny_model_dir), "build_preset": None},
+            "index": {"backend": "none"},
+            "ingress": {"warm_up": True},
+        }
+    ).model_dump(mode="json")
+    eng = FakeEngine("prefill")
+    core = IngressCore(cfg, eng, eng, app_name="colocated-unit")
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def comp(request: Request, body: CompletionRequest) -> Any:
+        return await core.complete(request, body)
+
+    @app.get("/health")
+    async def health() -> Any:
+        return await core.health()
+
+    client = TestClient(app)
+    assert client.get("/health").status_code == 200  # no pairs to warm
+    body = {"model": "test", "prompt": "one engine", "max_tokens": 4}
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    assert len(eng.seen) == 1  # the decode call only
+    (req,) = eng.seen
+    assert req.kv_transfer_params is None and req.route is not None
+    assert req.route.prompt_tokens == len(req.prompt_token_ids)
+    r = client.post("/v1/completions", json=body | {"prompt_logprobs": 1})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+    assert core._inflight_prefill == 0  # the slot came back when the stream ended

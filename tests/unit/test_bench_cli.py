@@ -1,0 +1,28 @@
+"""The live-app benchmark commands refuse bad input before bringing anything up."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import pdserve.cli  # noqa: F401  (registers the commands)
+from pdserve.apps import app
+
+runner = CliRunner()
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("command", ["serve", "warm-start"])
+def test_a_missing_config_is_refused_naming_it(command: str, tmp_path: Path) -> None:
+    res = runner.invoke(app, ["bench", command, "--config", str(tmp_path / "nope.yaml")])
+    assert res.exit_code == 2 and "--config" in res.output
+
+
+@pytest.mark.parametrize("levels", ["0", "x,4", "-1"])
+def test_bench_serve_refuses_bad_levels(levels: str) -> None:
+    config = ROOT / "configs" / "pd_default.yaml"
+    res = runner.invoke(app, ["bench", "serve", "--config", str(config), "--levels", levels])
+    assert res.exit_code == 2, res.output
+    assert "levels" in res.output or "integers" in res.output
