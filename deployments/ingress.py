@@ -1245,7 +1245,7 @@ class IngressCore:
                 prep.last_chunk_at = time.monotonic()
                 if prep.first_chunk_at is None:
                     prep.first_chunk_at = prep.last_chunk_at
-                    if pre.replica_id is None:  # this engine computed the prompt itself
+                    if prep.local_cached is not None:  # this engine computed the prompt
                         prep.local_cached = ch.num_cached_tokens
                     span.add_event("first_token")
                     set_attrs(span, {"replica": ch.replica_id})
@@ -1511,8 +1511,10 @@ def _cached(prep: Prepared, pre: EngineChunk) -> int:
 
 
 def _local_prefill(prep: Prepared) -> EngineChunk:
-    """The stand-in for a prefill's result when the decode replica prefills the prompt
-    itself: no KV to pull (``kv_transfer_params`` None), nothing cached known here."""
+    """The stand-in for a prefill's result when the decode (or colocated) engine computes the
+    prompt itself: no KV to pull (``kv_transfer_params`` None). ``prep`` is marked so that
+    its cached tokens are the ones that engine reports with its first chunk."""
+    prep.local_cached = 0
     return EngineChunk("", (), None, len(prep.ids), 0, 0.0, kv_transfer_params=None)
 
 
