@@ -884,6 +884,9 @@ class IngressCore:
         """Decode every part (one prompt each) and answer, streamed or as one body."""
         prep0 = parts[0][0]
         n = prep0.sampling.n
+        for prep, _ in parts:  # no engine stream for these: their queue slot ends here
+            if prep.echo_only:
+                self._release_slot(prep)
         streams = [
             _offset(_nothing() if prep.echo_only else self.decode_chunks(prep, pre), k * n)
             for k, (prep, pre) in enumerate(parts)

@@ -757,3 +757,32 @@ def test_colocated_mode_sends_the_whole_request_to_one_engine(tiny_model_dir: Pa
     r = client.post("/v1/completions", json=body | {"prompt_logprobs": 1})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
     assert core._inflight_prefill == 0  # the slot came back when the stream ended
+
+
+def test_colocated_echo_only_gives_its_queue_slot_back(tiny_model_dir: Path) -> None:
+    """echo with max_tokens 0 runs no engine stream in colocated mode; its prefill-queue slot
+    (held for the stream) still comes back."""
+    from deployments.config import AppConfig
+    from deployments.ingress import IngressCore
+
+    cfg = AppConfig.model_validate(
+        {
+            "mode": "colocated",
+            "model": {"path": str(tiny_model_dir), "build_preset": None},
+            "index": {"backend": "none"},
+        }
+    ).model_dump(mode="json")
+    eng = FakeEngine("prefill")
+    core = IngressCore(cfg, eng, eng, app_name="colocated-echo")
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def comp(request: Request, body: CompletionRequest) -> Any:
+        return await core.complete(request, body)
+
+    r = TestClient(app).post(
+        "/v1/completions",
+        json={"model": "test", "prompt": "say it back", "max_tokens": 0, "echo": True},
+    )
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "say it back"
+    assert eng.seen == [] and core._inflight_prefill == 0 and core._inflight_uncached == 0
