@@ -160,6 +160,8 @@ def run(
         "paths": {p: {k: summarize(v) for k, v in cols.items()} for p, cols in res.items()},
         "ingress_overhead_s": summarize(overhead),
         "ingress_self_overhead_s": st["ingress"]["overhead_s"],
-        "decode_external_hits": st["decode"]["external_hits"],
-        "decode_kv_load_failures": st["decode"]["kv_load_failures"],
+        "decode_external_hits": st["totals"]["decode"]["external_hits"],
+        "decode_kv_load_failures": sum(
+            int(r.get("kv_load_failures") or 0) for r in st["replicas"]["decode"]
+        ),
     }
