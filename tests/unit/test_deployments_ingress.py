@@ -718,10 +718,9 @@ def test_short_prompts_are_prefilled_on_their_decode_replica(tiny_model_dir: Pat
     assert client.get("/stats").json()["ingress"]["decode_local"] == 1
 
 
-def test_colocated_mode_sends_the_whole_request_to_one_engine(tiny_model_dir: Path) -> None:
-    """mode: colocated: no prefill call and no KV parameters; the one engine deployment gets
-    the decode call with the prefix index's hint (so its router can follow the prefix);
-    prompt log-probabilities, which come from a prefill replica, are a 400 naming the field."""
+def _colocated(tiny_model_dir: Path, app_name: str) -> tuple[Any, FakeEngine, Any]:
+    """An ingress in colocated mode over one fake engine deployment (passed as both roles,
+    as build_app binds it): ``(client, engine, core)``."""
     from deployments.config import AppConfig
     from deployments.ingress import IngressCore
 
@@ -730,11 +729,10 @@ def test_colocated_mode_sends_the_whole_request_to_one_engine(tiny_model_dir: Pa
             "mode": "colocated",
             "model": {"path": str(tiny_model_dir), "build_preset": None},
             "index": {"backend": "none"},
-            "ingress": {"warm_up": True},
         }
     ).model_dump(mode="json")
     eng = FakeEngine("prefill")
-    core = IngressCore(cfg, eng, eng, app_name="colocated-unit")
+    core = IngressCore(cfg, eng, eng, app_name=app_name)
     app = FastAPI()
 
     @app.post("/v1/completions")
@@ -745,7 +743,14 @@ def test_colocated_mode_sends_the_whole_request_to_one_engine(tiny_model_dir: Pa
     async def health() -> Any:
         return await core.health()
 
-    client = TestClient(app)
+    return TestClient(app), eng, core
+
+
+def test_colocated_mode_sends_the_whole_request_to_one_engine(tiny_model_dir: Path) -> None:
+    """mode: colocated: no prefill call and no KV parameters; the one engine deployment gets
+    the decode call with the prefix index's hint (so its router can follow the prefix);
+    prompt log-probabilities, which come from a prefill replica, are a 400 naming the field."""
+    client, eng, core = _colocated(tiny_model_dir, "colocated-unit")
     assert client.get("/health").status_code == 200  # no pairs to warm
     body = {"model": "test", "prompt": "one engine", "max_tokens": 4}
     r = client.post("/v1/completions", json=body)
@@ -762,25 +767,8 @@ def test_colocated_mode_sends_the_whole_request_to_one_engine(tiny_model_dir: Pa
 def test_colocated_echo_only_gives_its_queue_slot_back(tiny_model_dir: Path) -> None:
     """echo with max_tokens 0 runs no engine stream in colocated mode; its prefill-queue slot
     (held for the stream) still comes back."""
-    from deployments.config import AppConfig
-    from deployments.ingress import IngressCore
-
-    cfg = AppConfig.model_validate(
-        {
-            "mode": "colocated",
-            "model": {"path": str(tiny_model_dir), "build_preset": None},
-            "index": {"backend": "none"},
-        }
-    ).model_dump(mode="json")
-    eng = FakeEngine("prefill")
-    core = IngressCore(cfg, eng, eng, app_name="colocated-echo")
-    app = FastAPI()
-
-    @app.post("/v1/completions")
-    async def comp(request: Request, body: CompletionRequest) -> Any:
-        return await core.complete(request, body)
-
-    r = TestClient(app).post(
+    client, eng, core = _colocated(tiny_model_dir, "colocated-echo")
+    r = client.post(
         "/v1/completions",
         json={"model": "test", "prompt": "say it back", "max_tokens": 0, "echo": True},
     )
