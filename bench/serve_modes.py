@@ -24,7 +24,7 @@ import yaml
 from tqdm import tqdm
 
 from bench.pd_bench import http_pd
-from bench.warm_start import _pdserve
+from bench.warm_start import pdserve_cli
 from controllers.stats import summarize
 
 #: mode -> routing.local_prefill_threshold_tokens (on the PD config; colocated has its own)
@@ -101,14 +101,14 @@ def run(
             app["args"].setdefault("routing", {})["local_prefill_threshold_tokens"] = threshold
             path = Path(tmp) / f"{mode}.yaml"
             path.write_text(yaml.safe_dump(raw))
-            _pdserve("up", "--config", str(path))
+            pdserve_cli("up", "--config", str(path))
             try:
                 out[mode] = {
                     str(c): _level(url, c, requests, short_words, long_words, max_tokens, c)
                     for c in levels
                 }
             finally:
-                _pdserve("down")
+                pdserve_cli("down")
     out["ratios_to_pd"] = {
         mode: {
             str(c): {

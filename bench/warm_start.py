@@ -24,7 +24,8 @@ import yaml
 from tqdm import tqdm
 
 
-def _pdserve(*args: str) -> None:
+def pdserve_cli(*args: str) -> None:
+    """Run a ``pdserve`` command (``up``, ``down``) in this interpreter's environment."""
     subprocess.run([sys.executable, "-m", "pdserve", *args], check=True, timeout=900)
 
 
@@ -46,7 +47,7 @@ def _ttft(url: str, model: str, i: int, words: int, max_tokens: int) -> float:
 
 
 def run(config: Path, requests: int = 10, words: int = 300, max_tokens: int = 8) -> dict[str, Any]:
-    """``{variant: {"ready_s", "ttft_s": [...], "first_over_rest"}}`` for warm-up on and off."""
+    """``{variant: {"ready_s", "ttft_s": [...], "rest_ttft_s", "first_over_rest"}}`` for warm-up on and off."""
     raw = yaml.safe_load(config.read_text())
     app = raw["applications"][0]
     served = app["args"].get("model", {}).get("served_name", "test")
@@ -59,18 +60,19 @@ def run(config: Path, requests: int = 10, words: int = 300, max_tokens: int = 8)
             path = Path(tmp) / f"{variant}.yaml"
             path.write_text(yaml.safe_dump(raw))
             t0 = time.monotonic()
-            _pdserve("up", "--config", str(path))
+            pdserve_cli("up", "--config", str(path))
             ready_s = time.monotonic() - t0
             try:
                 ttft = []
                 for i in tqdm(range(requests), desc=variant, unit="req"):
                     ttft.append(_ttft(url, served, i, words, max_tokens))
             finally:
-                _pdserve("down")
+                pdserve_cli("down")
             rest = statistics.median(ttft[1:])
             out[variant] = {
                 "ready_s": round(ready_s, 2),
                 "ttft_s": [round(x, 4) for x in ttft],
+                "rest_ttft_s": round(rest, 4),
                 "first_over_rest": round(ttft[0] / rest, 2),
             }
     out["model"] = served

@@ -801,10 +801,7 @@ class EngineReplica:
         if not floors:
             return
 
-        def measure() -> dict[str, float] | None:
-            return sched.calibrate_decode(min(floors))
-
-        self.calibration = await self.engine.call(measure)
+        self.calibration = await self.engine.call(lambda: sched.calibrate_decode(min(floors)))
         log.info("decode replica %s: TWP calibration %s", self.replica_id, self.calibration)
 
     # -- live reconfiguration (Serve's user_config) ----------------------------------------

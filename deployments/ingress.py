@@ -853,6 +853,7 @@ class IngressCore:
                 return self._failed(prep, e)
             return await self._respond([(prep, _local_prefill(prep))])
         if self._decode_local(prep):
+            self.decode_local += 1
             return await self._respond([(prep, _local_prefill(prep))])
         try:
             self.admit_prefill([(prep, hint)])
@@ -875,10 +876,7 @@ class IngressCore:
         threshold = self.cfg.routing.local_prefill_threshold_tokens
         if not threshold or len(prep.ids) >= threshold or prep.echo is not None:
             return False
-        if prep.sampling.prompt_logprobs is not None or prep.echo_only:
-            return False
-        self.decode_local += 1
-        return True
+        return prep.sampling.prompt_logprobs is None and not prep.echo_only
 
     async def _respond(self, parts: list[tuple[Prepared, EngineChunk]]) -> Any:
         """Decode every part (one prompt each) and answer, streamed or as one body."""
