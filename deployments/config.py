@@ -215,9 +215,10 @@ class EngineConfig(_Strict):
     calibrate_decode: bool = Field(
         default=True,
         description="Decode with a TWP gate: at start, measure this replica's own "
-        "single-stream inter-token latency and use it as the profile's l_min (the shipped "
-        "profiles are measured on a bare engine; in a replica a lone stream is slower, "
-        "which TWP would read as overload).",
+        "single-stream inter-token latency and use it as the profile's l_min, then keep "
+        "re-estimating it from the lone streams the replica serves (the shipped profiles "
+        "are measured on a bare engine; in a replica a lone stream is slower, and drifts "
+        "with the node's other load, which TWP would read as overload).",
     )
     drain_timeout_s: float = Field(
         default=60.0,

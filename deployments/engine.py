@@ -771,11 +771,13 @@ class EngineReplica:
         span.end()
 
     async def _calibrate_decode(self, tokens: int = 64, skip: int = 8) -> None:
-        """Measure this engine's single-stream inter-token latency as it serves (one request
-        of ``tokens`` output tokens through the engine thread; the lower quintile of the
-        ITLs the scheduler recorded after the first ``skip`` steps: ``l_min`` is the floor,
-        and other replicas starting on the node only add to it) and hand it to the TWP gate
-        (:meth:`engines.scheduler.PdserveSchedulerMixin.calibrate_decode`)."""
+        """Measure this engine's single-stream inter-token latency as it serves (two requests
+        of ``tokens`` output tokens through the engine thread; the median of the ITLs the
+        scheduler recorded after the first ``skip`` steps, the lower of the two runs: other
+        replicas starting on the node only add to it) and hand it to the TWP gate
+        (:meth:`engines.scheduler.PdserveSchedulerMixin.calibrate_decode`); from then on the
+        scheduler re-estimates it from the lone streams it serves
+        (:meth:`~engines.scheduler.PdserveSchedulerMixin.track_l_min`)."""
         sched = self.engine.scheduler
         if getattr(sched, "gate", None) is None or not hasattr(sched, "records"):
             return
@@ -797,11 +799,12 @@ class EngineReplica:
                 if r.step > start + skip and r.decode_requests == 1 and r.itl_s > 0
             )
             if len(itls) >= 8:
-                floors.append(itls[len(itls) // 5])
+                floors.append(itls[len(itls) // 2])
         if not floors:
             return
 
         self.calibration = await self.engine.call(lambda: sched.calibrate_decode(min(floors)))
+        await self.engine.call(sched.track_l_min)
         log.info("decode replica %s: TWP calibration %s", self.replica_id, self.calibration)
 
     # -- live reconfiguration (Serve's user_config) ----------------------------------------
@@ -841,6 +844,14 @@ class EngineReplica:
             "twp": None if pd is None else pd.twp.model_dump(),
             "window_tokens": self.engine.load.get("window_tokens"),
             "calibration": self.calibration,
+            "twp_state": None
+            if gate is None
+            else {
+                "l_min_s": gate.state.params.l_min_s,
+                "itl_hat_s": gate.state.itl_hat_s,
+                "sigma": gate.state.sigma,
+                "l_min_updates": getattr(self.engine.scheduler, "l_min_updates", 0),
+            },
             "twp_counters": None if gate is None else asdict(gate.state.counters),
             "applied": self.live_config_applied,
             "refused": self.live_config_refused,

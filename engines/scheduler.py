@@ -41,7 +41,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Any, ClassVar
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
@@ -60,7 +60,7 @@ from controllers.decode.base import (
     WaitingRequestView,
 )
 from controllers.decode.config import TWPConfig
-from controllers.decode.twp import TWP
+from controllers.decode.twp import TWP, LMinTracker
 from controllers.prefill import (
     Fairway,
     PrefillPolicy,
@@ -181,6 +181,8 @@ class PdserveSchedulerMixin:
         self._pending: deque[dict[str, Any]] = deque()
         self._last_decode_end: float | None = None
         self._last_itl = 0.0
+        self._l_min_tracker: LMinTracker | None = getattr(self, "_l_min_tracker", None)
+        self.l_min_updates: int = getattr(self, "l_min_updates", 0)
         self._lanes = {"fast": 0, "fair": 0}
         self._queued_uncached = 0
         self._token_load = 0
@@ -216,10 +218,11 @@ class PdserveSchedulerMixin:
         if update:
             self.pd_config = self.pd_config.model_copy(update=update)
 
-    def calibrate_decode(self, l_min_s: float) -> dict[str, float] | None:
+    def calibrate_decode(self, l_min_s: float, restart: bool = True) -> dict[str, float] | None:
         """Set the profile's decode ``l_min`` to ``l_min_s``, the single-stream inter-token
         latency measured on this very engine as it serves (its step loop, its process), with
-        ``alpha`` scaled alike; the TWP gate restarts its estimate there (``sigma`` = 1).
+        ``alpha`` scaled alike; with ``restart`` the TWP gate restarts its estimate there
+        (``sigma`` = 1).
 
         The shipped profiles are measured on a bare engine: inside a serving replica the
         engine shares its process with the replica's event loop and NIXL polling, so a lone
@@ -232,9 +235,15 @@ class PdserveSchedulerMixin:
         scale = l_min_s / old.l_min_s
         decode = old.model_copy(update={"l_min_s": l_min_s, "alpha_s": old.alpha_s * scale})
         self.profile = self.profile.model_copy(update={"decode": decode})
-        self.gate.reconfigure(self.gate.config, self.profile)
-        self.gate.state = replace(self.gate.state, itl_hat_s=l_min_s, sigma=1.0)
+        self.gate.set_l_min(self.profile, restart=restart)
+        self.l_min_updates += 1
         return {"l_min_s": l_min_s, "profile_l_min_s": old.l_min_s}
+
+    def track_l_min(self, window: int = 256, every: int = 64) -> None:
+        """From now on, re-estimate ``l_min`` from this engine's own single-stream steps
+        (:class:`~controllers.decode.twp.LMinTracker`): a lone stream's ITL drifts with what
+        else the node runs, and a stale ``l_min`` pins TWP's window at its floor."""
+        self._l_min_tracker = LMinTracker(window=window, every=every)
 
     # ----- the step hooks ------------------------------------------------------------
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
@@ -299,6 +308,11 @@ class PdserveSchedulerMixin:
                 itl = step_s
             self._last_decode_end = t
             self._last_itl = itl
+            lone = pend["decode"] == 1 and not pend["waiting"] and len(self.running) == 1
+            if lone and self._l_min_tracker is not None:
+                fresh = self._l_min_tracker.add(itl)
+                if fresh is not None:
+                    self.calibrate_decode(fresh, restart=False)
         if not self.has_unfinished_requests():  # type: ignore[attr-defined]
             self._last_decode_end = None  # an idle gap follows: not an ITL
         finished = [r for r in stepped if r.is_finished()]

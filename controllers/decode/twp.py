@@ -54,6 +54,13 @@ Choices where the paper is silent or inconsistent (issue #5 defaults unless note
 - ``r_bar_t`` is the mean ``r_i`` of the active batch; with an empty batch ``T(r) = 1``.
 - Ties in the ranking go to the longer wait, then to the earlier position in the view.
 - Before a tenant has finished requests, ``L_hat = min(max_tokens, L_bar)``.
+- ``l_min`` tracking (an addition to the paper, used by the serving replicas): the paper
+  profiles ``l_min`` once. A serving replica's lone stream is slower than a bare engine's
+  (the replica's event loop, NIXL polling, streaming back to the ingress) and drifts with
+  what else the node runs; a stale ``l_min`` reads that as overload and pins the window at
+  ``H_min``. :class:`LMinTracker` re-estimates ``l_min`` as the median ITL of recent
+  single-stream steps (one running request, nothing waiting), so a lone stream keeps
+  ``sigma`` near 1 and only batch pressure narrows the window.
 - ``survival_l_hat`` (off by default, an addition to the paper): see :func:`l_hat`.
   The mechanism re-reads ``l_hat(state, tenant, max_tokens, generated)`` for running
   requests every step when it is on.
@@ -334,6 +341,40 @@ def check_pd_backstop(
         )
 
 
+@dataclass(slots=True)
+class LMinTracker:
+    """``l_min`` from the replica's own single-stream steps (see the module docstring).
+
+    ``add(itl_s)`` takes the ITL of a step that decoded one lone request (one running,
+    none waiting); after every ``every`` such steps, once ``every`` are held, it returns
+    the median of the last ``window`` as the new ``l_min`` (else ``None``). The median, not
+    a low quantile: TWP's ``sigma`` compares the *smoothed* ITL with ``l_min``, and the
+    smoothed ITL of a lone stream sits at its typical, not its fastest, step."""
+
+    window: int = 256
+    every: int = 64
+    samples: list[float] = field(default_factory=list)
+    since_update: int = 0
+
+    def __post_init__(self) -> None:
+        if self.window < 1 or not 1 <= self.every <= self.window:
+            raise ValueError(
+                f"LMinTracker: need 1 <= every <= window (got {self.every}, {self.window})"
+            )
+
+    def add(self, itl_s: float) -> float | None:
+        if not itl_s > 0 or math.isinf(itl_s):
+            return None
+        self.samples.append(itl_s)
+        if len(self.samples) > self.window:
+            del self.samples[: len(self.samples) - self.window]
+        self.since_update += 1
+        if self.since_update < self.every:
+            return None
+        self.since_update = 0
+        return float(statistics.median(self.samples))
+
+
 class TWP:
     """The stateful policy object over the pure functions (``state`` is public)."""
 
@@ -357,6 +398,13 @@ class TWP:
         )
         self.config = config
         self.prefill_chunk_tokens = config.C
+
+    def set_l_min(self, profile: EngineProfile, restart: bool = False) -> None:
+        """A new ``l_min`` (``profile.decode.l_min_s``), keeping the window and estimates;
+        ``restart`` also sets the smoothed ITL to it (``sigma`` = 1), as at start."""
+        self.reconfigure(self.config, profile)
+        if restart:
+            self.state = replace(self.state, itl_hat_s=profile.decode.l_min_s, sigma=1.0)
 
     def observe(self, obs: DecodeObservation) -> None:
         self.state = observe(self.state, obs)

@@ -341,3 +341,39 @@ def test_reconfigure_keeps_the_learned_state_and_clamps_the_window() -> None:
     with pytest.raises(ValueError, match="H_min"):
         gate.reconfigure(TWPConfig(H_min=90, H_max=60), profile())
     assert gate.state is before and gate.config.H_max == 60
+
+
+# ----- l_min tracking (an addition to the paper) ---------------------------------------------
+def test_lmin_tracker_reports_the_median_of_recent_lone_steps_every_so_often() -> None:
+    from controllers.decode.twp import LMinTracker
+
+    t = LMinTracker(window=8, every=4)
+    assert [t.add(x) for x in (0.010, 0.030, 0.020)] == [None, None, None]
+    assert t.add(0.040) == pytest.approx(0.025)  # median of the four
+    assert t.add(0.0) is None and t.add(float("inf")) is None  # no ITL: not counted
+    for x in (0.1, 0.1, 0.1):
+        assert t.add(x) is None
+    assert t.add(0.1) == pytest.approx(0.07)  # 8 held: median of 0.01..0.04 and 4 x 0.1
+    for _ in range(4):
+        last = t.add(0.1)
+    assert last == pytest.approx(0.1)  # the oldest fall out of the window
+    with pytest.raises(ValueError, match="every"):
+        LMinTracker(window=4, every=8)
+
+
+def test_set_l_min_keeps_the_window_and_restart_resets_the_slowdown() -> None:
+    prof = profile()
+    gate = TWP(prof, TWPConfig())
+    for i in range(30):  # a slow engine: ITL 4x l_min narrows the window
+        gate.observe(DecodeObservation(i, 4 * prof.decode.l_min_s, 100, 100, 0, 1))
+    narrowed, sigma = gate.state.H, gate.state.sigma
+    assert narrowed < gate.state.params.H0 and sigma > 2
+    slower = prof.model_copy(
+        update={"decode": prof.decode.model_copy(update={"l_min_s": 4 * prof.decode.l_min_s})}
+    )
+    gate.set_l_min(slower)
+    assert narrowed == gate.state.H and gate.state.sigma == sigma  # next step uses it
+    gate.observe(DecodeObservation(30, 4 * prof.decode.l_min_s, 100, 100, 0, 1))
+    assert gate.state.sigma < 1.1 and narrowed < gate.state.H  # the same ITL is now lone pace
+    gate.set_l_min(prof, restart=True)
+    assert gate.state.sigma == 1.0 and gate.state.itl_hat_s == prof.decode.l_min_s
