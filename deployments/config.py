@@ -252,7 +252,8 @@ class EngineConfig(_Strict):
     )
     fault_injection: bool = Field(
         default=False,
-        description="Allow the replica's fault-injection calls (inject_wedge): tests only.",
+        description="Allow the replica's fault-injection calls (inject_wedge, "
+        "inject_kv_load_failures): tests only.",
     )
     kv_load_failure_policy: Literal["recompute", "fail"] = Field(
         default="recompute",
@@ -308,6 +309,16 @@ class IngressConfig(_Strict):
         description="Deadline of one request from its arrival: past it the client gets a 504 "
         "(mid-stream: an SSE error event, then [DONE]) and both engines abort the request. A "
         "client may ask for less with the X-Request-Timeout header (seconds).",
+    )
+    replica_retries: int = Field(
+        default=1,
+        ge=0,
+        le=3,
+        description="Times a request is sent again when its engine replica died (or became "
+        "unreachable) before the client got anything: a prefill goes to another prefill "
+        "replica; a decode goes to another decode replica, which computes the prompt itself "
+        "(the dead replica may have taken the prompt's KV already). Once a token was sent the "
+        "client gets an error event instead: a stream is never replayed.",
     )
     health_timeout_s: float = Field(
         default=5.0, gt=0, le=600, description="Longest wait for one engine's readiness probe."
@@ -887,6 +898,7 @@ def engine_launch(cfg: AppConfig, role: Role, ports: ReplicaPorts) -> EngineLaun
             progress_thread=e.nixl_progress_thread,
             load_failure_policy=e.kv_load_failure_policy,
             buffer_device=e.kv_buffer_device,
+            fault_injection=e.fault_injection,
         ),
         kv_events=(
             KVEventsLaunch(

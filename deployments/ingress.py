@@ -353,6 +353,10 @@ _REPORT_KEYS = (
     "prefix_hits",
     "kv_load_failures",
     "requests_aborted",
+    "requests_finished",
+    "requests_in_flight",
+    "total_kv_blocks",
+    "tracked_blocks",
     "wedged",
 )
 
@@ -421,6 +425,8 @@ class IngressCore:
         self.overload_refused = 0
         #: requests answered 504 because their deadline passed (both engines aborted them)
         self.deadline_exceeded = 0
+        #: requests sent again after their replica died before the client got anything
+        self.replica_retries = {"prefill": 0, "decode": 0}
         #: requests prefilled on their decode replica (conditional disaggregation)
         self.decode_local = 0
         #: warm-up: (prefill, decode) replica pairs a request has gone through, the task
@@ -742,6 +748,7 @@ class IngressCore:
                 "overload_refused": self.overload_refused,
             },
             "deadline_exceeded": self.deadline_exceeded,
+            "replica_retries": dict(self.replica_retries),
             "decode_local": self.decode_local,
             "warm_up": {
                 "pairs_warmed": sorted(f"{p}->{d}" for p, d in self._warm),
@@ -1178,18 +1185,40 @@ class IngressCore:
             prep.queued_tokens = None
 
     async def _run_prefill(self, prep: Prepared, hint: RouteHint, span: Any) -> EngineChunk:
+        try:
+            return await self._prefill_on_a_replica(prep, hint, span)
+        finally:
+            span.end()
+
+    async def _prefill_on_a_replica(
+        self, prep: Prepared, hint: RouteHint, span: Any
+    ) -> EngineChunk:
+        """The prefill call; sent again (``ingress.replica_retries``) when its replica died."""
         req = _engine_request(prep, span, route=hint)
         t = time.monotonic()
-        left = prep.deadline - t
-        if left <= 0:
-            span.end()
-            raise self._deadline_error(prep, "prefill")
-        by_deadline = left < self.cfg.ingress.engine_timeout_s
-        call = self.prefill.prefill.remote(req)
-        try:
-            pre: EngineChunk = await asyncio.wait_for(
-                call, min(left, self.cfg.ingress.engine_timeout_s)
-            )
+        attempt = 0
+        while True:
+            left = prep.deadline - time.monotonic()
+            if left <= 0:
+                raise self._deadline_error(prep, "prefill")
+            by_deadline = left < self.cfg.ingress.engine_timeout_s
+            call = self.prefill.prefill.remote(req)
+            try:
+                pre: EngineChunk = await asyncio.wait_for(
+                    call, min(left, self.cfg.ingress.engine_timeout_s)
+                )
+            except TimeoutError:
+                _cancel(call)  # the replica aborts it: no prefill runs on for nobody
+                if by_deadline:
+                    raise self._deadline_error(prep, "prefill") from None
+                raise RequestError("prefill timed out", None, status=504) from None
+            except Exception as e:  # the engine refused (400) or failed: a gateway error
+                if _replica_gone(e) and attempt < self.cfg.ingress.replica_retries:
+                    attempt += 1  # Serve's router drops the dead replica; another one runs it
+                    req = replace(req, request_id=f"{prep.engine_rid}-retry{attempt}")
+                    self._count_retry(prep, "prefill", e)
+                    continue
+                raise _engine_error("prefill", prep, e) from None
             prep.timing["prefill"] = time.monotonic() - t - pre.engine_s
             set_attrs(
                 span,
@@ -1197,18 +1226,15 @@ class IngressCore:
                     "replica": pre.replica_id,
                     "cached_tokens": pre.num_cached_tokens,
                     "engine_s": pre.engine_s,
+                    "retries": attempt,
                 },
             )
             return pre
-        except TimeoutError:
-            _cancel(call)  # the replica aborts it: no prefill runs on for nobody
-            if by_deadline:
-                raise self._deadline_error(prep, "prefill") from None
-            raise RequestError("prefill timed out", None, status=504) from None
-        except Exception as e:  # the engine refused (400) or failed: a gateway error, not a 500
-            raise _engine_error("prefill", prep, e) from None
-        finally:
-            span.end()
+
+    def _count_retry(self, prep: Prepared, phase: str, e: BaseException) -> None:
+        self.replica_retries[phase] += 1
+        self.metrics.inc("pdserve_replica_retries", phase=phase)
+        log.warning("%s replica gone for %s (%s): sent again", phase, prep.rid, type(e).__name__)
 
     async def decode_chunks(self, prep: Prepared, pre: EngineChunk) -> AsyncIterator[EngineChunk]:
         """The decode replica's chunks, for both response forms. Engine failures and time-outs
@@ -1229,6 +1255,7 @@ class IngressCore:
         by_deadline = left < self.cfg.ingress.engine_timeout_s
         deadline = now + min(left, self.cfg.ingress.engine_timeout_s)
         done = False
+        attempt = 0
         try:
             while True:
                 try:
@@ -1242,6 +1269,25 @@ class IngressCore:
                         raise self._deadline_error(prep, "decode") from None
                     raise RequestError("decode timed out", None, status=504) from None
                 except Exception as e:
+                    if (
+                        prep.first_chunk_at is None
+                        and _replica_gone(e)
+                        and attempt < self.cfg.ingress.replica_retries
+                    ):
+                        # Nothing reached the client: another decode replica computes the
+                        # prompt itself (the dead one may have pulled, and so freed, its KV).
+                        attempt += 1
+                        self._count_retry(prep, "decode", e)
+                        _cancel(stream)
+                        prep.local_cached = 0  # that engine's cached tokens are the usage's
+                        dreq = replace(
+                            dreq,
+                            request_id=f"{prep.engine_rid}-retry{attempt}",
+                            kv_transfer_params=None,
+                        )
+                        stream = self.decode_stream.decode.remote(dreq)
+                        it = stream.__aiter__()
+                        continue
                     raise _engine_error("decode", prep, e) from None
                 prep.last_chunk_at = time.monotonic()
                 if prep.first_chunk_at is None:
@@ -1602,6 +1648,14 @@ def _size(body: CompletionRequest | ChatCompletionRequest) -> int:
     if isinstance(p, str):
         return len(p)
     return sum(len(x) if isinstance(x, (str, list)) else 4 for x in p or ())
+
+
+def _replica_gone(e: BaseException) -> bool:
+    """The call failed because its replica died or cannot be reached (not because of the
+    request): Ray's actor errors, as Serve raises them to the caller."""
+    from ray.exceptions import RayActorError
+
+    return isinstance(e, RayActorError) or isinstance(_cause(e), RayActorError)
 
 
 def _engine_error(phase: str, prep: Prepared, e: BaseException) -> RequestError:

@@ -172,6 +172,10 @@ SERIES: dict[str, tuple[str, str, tuple[str, ...], list[float] | None]] = {
         "counter", "Requests whose deadline passed (504; both engines aborted them), by "
         "tenant and the phase it passed in (prefill, decode).", ("tenant", "phase"), None,
     ),
+    "pdserve_replica_retries": (
+        "counter", "Requests sent again after their engine replica died before the client "
+        "got anything, by phase (prefill, decode).", ("phase",), None,
+    ),
     "pdserve_ttft_seconds": (
         "histogram", "Time to the first token, at the ingress.", ("tenant",), LATENCY_S,
     ),

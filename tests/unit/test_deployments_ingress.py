@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
+from ray.exceptions import ActorDiedError
 
 from deployments.engine import _count_failed_transfers
 from deployments.openai_api import ChatCompletionRequest, CompletionRequest
@@ -38,6 +39,8 @@ class FakeEngine:
         self.fail_after: int | None = None  # raise after this many chunks (an engine failure)
         self.refuse: str | None = None  # refuse requests' parameters, naming this field
         self.gate: Any = None  # an asyncio.Event the prefill waits on (a slow engine)
+        self.gone = 0  # the next calls find their replica dead (Ray's ActorDiedError)
+        self.dies_after: int | None = None  # the replica dies after this many chunks
         self.seen: list[EngineRequest] = []
         self.prefill = _Remote(self._prefill)
         self.decode = _Remote(self._decode)
@@ -47,8 +50,16 @@ class FakeEngine:
     def options(self, **_: Any) -> FakeEngine:
         return self
 
+    def _dead(self) -> bool:
+        if self.gone:
+            self.gone -= 1
+            return True
+        return False
+
     async def _prefill(self, req: EngineRequest) -> EngineChunk:
         self.seen.append(req)
+        if self._dead():
+            raise ActorDiedError()
         if self.gate is not None:
             await self.gate.wait()
         if self.refuse:
@@ -59,8 +70,12 @@ class FakeEngine:
 
     async def _decode(self, req: EngineRequest) -> AsyncIterator[EngineChunk]:
         self.seen.append(req)
+        if self._dead():
+            raise ActorDiedError()
         n = req.sampling.max_tokens
         for i in range(n):
+            if self.dies_after is not None and i >= self.dies_after:
+                raise ActorDiedError()
             for seq in range(req.sampling.n):  # the n sequences' chunks interleave
                 if self.fail_after is not None and i >= self.fail_after:
                     raise RuntimeError("decode engine died")
@@ -267,6 +282,53 @@ def test_engine_failures_are_gateway_errors_and_streams_stay_well_formed(wired: 
         assert any("error" in e and "decode failed" in e["error"]["message"] for e in events)
     finally:
         pre.fail_after = dec.fail_after = None
+
+
+def retries(client: Any) -> dict[str, int]:
+    return dict(client.get("/stats").json()["ingress"]["replica_retries"])
+
+
+def test_a_dead_replica_is_retried_elsewhere_only_before_the_client_got_anything(
+    wired: Any,
+) -> None:
+    """A prefill whose replica died is sent again (another prefill replica: Serve's router
+    drops the dead one); a decode whose replica died before its first chunk goes to another
+    decode replica that computes the prompt itself (no KV params: the dead one may have
+    freed them). Once a chunk reached the client there is no replay: an error event."""
+    client, pre, dec = wired
+    body = {"model": "test", "prompt": "hi", "max_tokens": 4}
+    try:
+        before = retries(client)
+        pre.gone = 1
+        r = client.post("/v1/completions", headers=auth(), json=body)
+        assert r.status_code == 200, r.text
+        first, again = pre.seen[-2:]
+        assert again.request_id == f"{first.request_id}-retry1"
+        assert dec.seen[-1].kv_transfer_params is not None  # the retried prefill's KV
+        dec.gone = 1
+        r = client.post("/v1/completions", headers=auth(), json=body | {"stream": True})
+        lines = [ln for ln in r.text.splitlines() if ln.startswith("data: ")]
+        assert r.status_code == 200 and lines[-1] == "data: [DONE]"
+        assert not any('"error"' in ln for ln in lines)
+        chunks = [json.loads(ln[6:]) for ln in lines[:-1]]
+        assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == "t0t1t2t3"
+        dead, again = dec.seen[-2:]
+        assert dead.kv_transfer_params is not None and again.kv_transfer_params is None
+        assert again.request_id == f"{dead.request_id}-retry1"
+        assert retries(client) == {"prefill": before["prefill"] + 1, "decode": before["decode"] + 1}
+        dec.gone = 2  # one retry (the default), then a gateway error
+        r = client.post("/v1/completions", headers=auth(), json=body)
+        assert r.status_code == 502 and "decode failed" in r.json()["error"]["message"]
+        n_seen = len(dec.seen)
+        dec.dies_after = 2  # mid-stream: tokens were sent, the stream ends with an error
+        r = client.post("/v1/completions", headers=auth(), json=body | {"stream": True})
+        lines = [ln for ln in r.text.splitlines() if ln.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]" and '"error"' in lines[-2]
+        assert len(dec.seen) == n_seen + 1  # not sent again
+        assert retries(client)["decode"] == before["decode"] + 2
+    finally:
+        pre.gone = dec.gone = 0
+        dec.dies_after = None
 
 
 def test_engine_refusals_are_400s_naming_the_field(wired: Any) -> None:
