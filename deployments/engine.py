@@ -471,6 +471,8 @@ class EngineReplica:
         self.hash_mode = "engine"
         self.feed: Any = None
         self.requests = 0
+        #: engine calls (prefill or decode) running in this replica now
+        self.in_flight = 0
         self.prompt_tokens = 0
         self.cached_tokens = 0
         if role == "prefill" and self.cfg.index.backend != "none" and self.ports.kv_events:
@@ -542,6 +544,24 @@ class EngineReplica:
 
     # -- calls ---------------------------------------------------------------------------
     async def prefill(self, req: EngineRequest) -> EngineChunk:
+        """:meth:`_prefill`, counted in ``requests_in_flight`` while it runs."""
+        self.in_flight += 1
+        try:
+            return await self._prefill(req)
+        finally:
+            self.in_flight -= 1
+
+    async def decode(self, req: EngineRequest) -> AsyncIterator[EngineChunk]:
+        """:meth:`_decode`, counted in ``requests_in_flight`` until the stream ends (or is
+        cancelled)."""
+        self.in_flight += 1
+        try:
+            async for chunk in self._decode(req):
+                yield chunk
+        finally:
+            self.in_flight -= 1
+
+    async def _prefill(self, req: EngineRequest) -> EngineChunk:
         """Run ``req``'s prompt with one output token as NIXL producer; return the last chunk
         (its ``kv_transfer_params`` address the KV blocks held for the decode replica, its
         ``prompt_logprobs`` the prompt's when the request asked).
@@ -568,7 +588,7 @@ class EngineReplica:
         self.cached_tokens += last.num_cached_tokens
         return last
 
-    async def decode(self, req: EngineRequest) -> AsyncIterator[EngineChunk]:
+    async def _decode(self, req: EngineRequest) -> AsyncIterator[EngineChunk]:
         """Stream ``req``'s output deltas, pulling the prompt's KV with
         ``req.kv_transfer_params`` (or computing it locally when that is ``None``).
 
@@ -910,6 +930,12 @@ class EngineReplica:
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,
             "requests_aborted": self.engine.aborted,
+            "requests_in_flight": self.in_flight,
+            # the blocks this replica's feed holds for the Redis index (bounded by the KV
+            # cache: a load test checks it stays so)
+            "tracked_blocks": None
+            if self.feed is None
+            else sum(len(rf.tracker.blocks) for rf in list(self.feed.replicas.values())),
             **self.counters.as_dict(),
         }
 
@@ -955,12 +981,29 @@ class EngineReplica:
         if why is not None:
             raise RuntimeError(why)
 
-    async def inject_wedge(self, seconds: float) -> str:
+    async def inject_wedge(self, seconds: float, replica_id: str | None = None) -> str | None:
         """Fault injection (``fault_injection: true`` only): block this engine's step loop
-        for ``seconds``; returns this replica's id."""
+        for ``seconds``; returns this replica's id. With ``replica_id``, only that replica
+        does (the others return ``None``: Serve's handle picks the replica, so a test calls
+        until the one it means answers)."""
         if not self.cfg.engine(self.role).fault_injection:
             raise PermissionError(f"{self.role}.fault_injection is off")
+        if replica_id is not None and replica_id != self.replica_id:
+            return None
         self.engine.hold(float(seconds))
+        return self.replica_id
+
+    async def inject_kv_load_failures(self, n: int, replica_id: str | None = None) -> str | None:
+        """Fault injection (``fault_injection: true`` only): this engine's next ``n`` KV reads
+        fail (``0`` disarms; :func:`engines.nixl_connector.fail_next_reads`); returns this
+        replica's id, or ``None`` when ``replica_id`` names another replica."""
+        if not self.cfg.engine(self.role).fault_injection:
+            raise PermissionError(f"{self.role}.fault_injection is off")
+        if replica_id is not None and replica_id != self.replica_id:
+            return None
+        from engines.nixl_connector import fail_next_reads
+
+        fail_next_reads(n)
         return self.replica_id
 
     def __del__(self) -> None:

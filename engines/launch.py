@@ -65,6 +65,11 @@ class KVTransfer(_Strict):
     load_failure_policy: Literal["recompute", "fail"] = Field(
         default="recompute", description="What a consumer does when a KV load fails."
     )
+    fault_injection: bool = Field(
+        default=False,
+        description="Let tests make this engine's next KV reads fail on purpose "
+        "(engines.nixl_connector.fail_next_reads); off in production.",
+    )
     buffer_device: Literal["cpu", "cuda"] = Field(
         default="cpu",
         description="kv_buffer_device: where NIXL reads and writes KV blocks ('cuda': GPU "
@@ -231,7 +236,10 @@ def engine_args(launch: EngineLaunch) -> dict[str, Any]:
             "kv_role": t.role,
             "kv_buffer_device": t.buffer_device,
             "kv_load_failure_policy": t.load_failure_policy,
-            "kv_connector_extra_config": {"nixl_progress_thread": t.progress_thread},
+            "kv_connector_extra_config": {
+                "nixl_progress_thread": t.progress_thread,
+                "pdserve_fault_injection": t.fault_injection,
+            },
         }
     if launch.kv_events is not None:
         kw["kv_events_config"] = launch.kv_events.vllm_config()

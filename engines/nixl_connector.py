@@ -24,6 +24,7 @@ notifications, which it does every engine step. Nothing installed is patched.
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -39,6 +40,49 @@ logger = init_logger(__name__)
 #: ``kv_connector_extra_config`` key: ``True`` keeps NIXL's own progress thread (vLLM's stock
 #: behaviour, for before/after measurements); ``False`` (the default) turns it off.
 PROGRESS_THREAD_KEY = "nixl_progress_thread"
+#: ``kv_connector_extra_config`` key: ``True`` lets tests fail this process's next KV reads
+#: (:func:`fail_next_reads`); off in production.
+FAULT_INJECTION_KEY = "pdserve_fault_injection"
+
+_faults_lock = threading.Lock()
+_reads_to_fail = 0
+failed_on_purpose = 0
+
+
+def fail_next_reads(n: int) -> None:
+    """Fault injection: the next ``n`` KV reads this process starts (on an engine built with
+    ``FAULT_INJECTION_KEY``) fail as a read from a vanished peer does: vLLM's connector
+    counts a failed transfer and the consumer recomputes the blocks or fails the request
+    (``kv_load_failure_policy``). ``0`` disarms."""
+    global _reads_to_fail
+    with _faults_lock:
+        _reads_to_fail = max(0, int(n))
+
+
+def _take_a_failure() -> bool:
+    global _reads_to_fail, failed_on_purpose
+    with _faults_lock:
+        if _reads_to_fail <= 0:
+            return False
+        _reads_to_fail -= 1
+        failed_on_purpose += 1
+        return True
+
+
+class FaultyAgent:
+    """A NIXL agent whose ``transfer`` raises while :func:`fail_next_reads` is armed (the
+    connector's own error path takes it from there); everything else is the agent's."""
+
+    def __init__(self, agent: Any) -> None:
+        self._agent = agent
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._agent, name)
+
+    def transfer(self, handle: Any, *args: Any, **kwargs: Any) -> Any:
+        if _take_a_failure():
+            raise RuntimeError("pdserve fault injection: this KV read fails on purpose")
+        return self._agent.transfer(handle, *args, **kwargs)
 
 
 def agent_config_without_progress_thread(
@@ -96,3 +140,10 @@ class NixlConnector(NixlPullConnector):
         keep_thread = bool(ktc.get_from_extra_config(PROGRESS_THREAD_KEY, False))
         if role == KVConnectorRole.WORKER and self.connector_worker is not None and not keep_thread:
             rebuild_agent_without_progress_thread(self.connector_worker)
+        if (
+            role == KVConnectorRole.WORKER
+            and self.connector_worker is not None
+            and ktc.get_from_extra_config(FAULT_INJECTION_KEY, False)
+        ):
+            w = self.connector_worker
+            w.nixl_wrapper = FaultyAgent(w.nixl_wrapper)

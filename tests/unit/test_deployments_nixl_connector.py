@@ -48,3 +48,37 @@ def test_vllm_sees_its_own_connector_name_and_base() -> None:
 
     assert NixlConnector.__name__ == "NixlConnector"
     assert issubclass(NixlConnector, NixlPullConnector)
+
+
+def test_an_armed_faulty_agent_fails_exactly_the_next_reads() -> None:
+    """Fault injection for the KV-transfer tests: ``fail_next_reads(n)`` makes the next ``n``
+    ``transfer`` calls raise (the connector's own error path recomputes), then the real
+    agent's ``transfer`` runs again; everything else is the wrapped agent's."""
+    from engines import nixl_connector as nc
+
+    class Agent:
+        name = "agent-a"
+
+        def __init__(self) -> None:
+            self.sent: list[int] = []
+
+        def transfer(self, handle: int) -> str:
+            self.sent.append(handle)
+            return "PROC"
+
+    inner = Agent()
+    agent = nc.FaultyAgent(inner)
+    assert agent.name == "agent-a"
+    before = nc.failed_on_purpose
+    try:
+        nc.fail_next_reads(2)
+        for h in (1, 2):
+            with pytest.raises(RuntimeError, match="on purpose"):
+                agent.transfer(h)
+        assert agent.transfer(3) == "PROC" and inner.sent == [3]
+        nc.fail_next_reads(1)
+        nc.fail_next_reads(0)  # disarmed
+        assert agent.transfer(4) == "PROC"
+        assert nc.failed_on_purpose == before + 2
+    finally:
+        nc.fail_next_reads(0)
