@@ -104,6 +104,20 @@ class _Bookkeeping:
         # internal request id -> (replica, dispatched_at, tokens) while in flight
         self._inflight: dict[str, tuple[str, float, int]] = {}
         self.pending = InflightPrefixes(ttl_s=self.cfg.inflight_ttl_s)
+        with self.counters.lock:
+            self.counters.tables[id(self)] = self._tables
+
+    def _tables(self) -> dict[str, int]:
+        """Entries in this router's tables (expired in-flight prefixes dropped first)."""
+        with self._lock:
+            self.pending.expire(time.time())
+            return {
+                "decided": len(self._decided),
+                "inflight": len(self._inflight),
+                "inflight_reports": sum(len(v) for v in self.state.inflight.values()),
+                "inflight_prefixes": len(self.pending),
+                "replicas_seen": len(self._seen_ts),
+            }
 
     # -- Serve's hooks -----------------------------------------------------------------------
     def update_replicas(self, replicas: list[RunningReplica]) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +62,10 @@ class RouterCounters:
     lock: threading.Lock = field(default_factory=threading.Lock)
     #: the deployment (role) these count for: the ``role`` tag of their metrics
     deployment: str = ""
+    #: each router's table sizes, by router (one per handle Serve builds in this process);
+    #: summed in :meth:`as_dict`, where a load test checks that they return to their
+    #: baseline once the traffic has passed (nothing leaks)
+    tables: dict[int, Callable[[], dict[str, int]]] = field(default_factory=dict)
 
     def count(self, name: str, by: int = 1) -> None:
         """A named fallback, ``by`` times (also ``pdserve_routing_fallbacks``)."""
@@ -77,12 +82,22 @@ class RouterCounters:
         )
 
     def as_dict(self) -> dict[str, Any]:
+        tables = self._table_sizes()  # outside our lock: a router takes its own lock there
         with self.lock:
             return {
                 "policy": self.policy,
                 "routed": dict(self.routed),
                 "fallbacks": dict(self.fallbacks),
+                "tables": tables,
             }
+
+    def _table_sizes(self) -> dict[str, int]:
+        with self.lock:
+            fns = list(self.tables.values())
+        out: Counter[str] = Counter({"routers": len(fns)})
+        for fn in fns:
+            out.update(fn())
+        return dict(out)
 
 
 def router_stats(app: str, deployment: str) -> dict[str, Any]:

@@ -254,11 +254,9 @@ def test_serve_default_router_keeps_the_books() -> None:
     ranks = choose(r, [a, b], p)
     assert sorted(sum(ranks, [])) == ["a", "b"]  # power of two: both, Serve picks the shorter
     r.on_request_completed(ReplicaID("b", dep), p.metadata.internal_request_id)
-    assert router_stats(dep.app_name, "prefill") == {
-        "policy": "serve_default",
-        "routed": {"b": 1},
-        "fallbacks": {},
-    }
+    books = router_stats(dep.app_name, "prefill")
+    assert books["policy"] == "serve_default" and books["routed"] == {"b": 1}
+    assert books["fallbacks"] == {} and books["tables"]["inflight"] == 0
 
 
 @pytest.mark.parametrize("cls,deployment", [(PrefillRouter, "prefill"), (DecodeRouter, "decode")])
@@ -301,3 +299,22 @@ def test_a_router_takes_live_routing_parameters_before_its_next_decision() -> No
     firsts = [choose(r, cands, pending(prefill_req(1000, {"b": 896})))[0][0] for _ in range(4)]
     assert sorted(firsts) == ["a", "a", "b", "b"]
     assert router_stats(r._deployment_id.app_name, "prefill")["policy"] == "round_robin"
+
+
+def test_the_routers_tables_are_reported_and_empty_again_once_the_calls_complete() -> None:
+    """The load test's leak check reads these sizes: every table entry a call adds goes
+    when the call completes (in-flight prefixes after their grace, here 0 s)."""
+    r = make(PrefillRouter, "prefill")
+    r.pending.grace_s = 0.0
+    cands = replicas(r, "a", "b")
+    calls = [pending(prefill_req(1600, {}, hashes=(7000 + i, 7100 + i))) for i in range(3)]
+    chosen = [choose(r, cands, p)[0][0] for p in calls]
+    app = r._deployment_id.app_name
+    busy = router_stats(app, "prefill")["tables"]
+    assert busy["routers"] == 1
+    assert busy["decided"] == busy["inflight"] == busy["inflight_reports"] == 3
+    assert busy["inflight_prefixes"] == 3
+    for p, rid in zip(calls, chosen, strict=True):
+        r.on_request_completed(ReplicaID(rid, r._deployment_id), p.metadata.internal_request_id)
+    idle = router_stats(app, "prefill")["tables"]
+    assert idle == {k: 0 for k in busy} | {"routers": 1}
