@@ -314,3 +314,78 @@ def bench_pd(
     typer.echo(table(["path", "TTFT ms p50/p99", "ITL ms p50/p99", "e2e ms p50/p99"], rows))
     typer.echo(f"idle CPU (% of a core): total {res['idle_cpu_percent']['total']}")
     write_json(json_out, res)
+
+
+@bench_app.command("soak")
+def bench_soak(
+    url: str | None = typer.Option(
+        None, help="Base URL of a running app; without it the app comes up from --config."
+    ),
+    config: Path = typer.Option(
+        DEFAULT_CONFIG.parent / "pd_cluster.yaml", help="Serve YAML to bring up (without --url)."
+    ),
+    duration_s: float = typer.Option(120.0, "--duration", min=4, help="Seconds of load in all."),
+    levels: str = typer.Option("1.0,1.5", help="Arrival rates, multiples of saturation."),
+    capacity_s: float = typer.Option(20.0, min=2, help="Seconds measuring saturation."),
+    api_key: str | None = typer.Option(None, help="API key, when the app requires one."),
+    json_out: Path | None = typer.Option(None, "--json", help="Write the results as JSON here."),
+    plot_out: Path | None = typer.Option(None, "--plot", help="Write a PNG of the run here."),
+) -> None:
+    """A bounded load test on the live endpoint: open-loop arrivals at and above saturation;
+    reports outcomes (only 429/503 with Retry-After may refuse), drain time, the routers' and
+    feeds' table sizes against their baseline, and every process's memory growth."""
+    from bench.soak import plot, run
+    from pdserve.output import csv_numbers, table, write_json
+
+    lv = tuple(float(x) for x in csv_numbers(levels, float, "levels"))
+    if not lv or any(x <= 0 for x in lv):
+        raise typer.BadParameter("expected positive multiples, e.g. 1.0,1.5", param_hint="--levels")
+    if url is None and not config.exists():
+        raise typer.BadParameter(f"{config} does not exist", param_hint="--config")
+    up = url is None
+    if up:
+        import yaml
+
+        from bench.warm_start import pdserve_cli
+
+        raw = yaml.safe_load(config.read_text())
+        url = f"http://127.0.0.1:{raw.get('http_options', {}).get('port', 8000)}"
+        pdserve_cli("up", "--config", str(config))
+    assert url is not None
+    try:
+        res = run(url, api_key, duration_s=duration_s, levels=lv, capacity_s=capacity_s)
+    finally:
+        if up:
+            pdserve_cli("down")
+    typer.echo(f"saturation: {res['saturation_rps']:.2f} req/s (closed loop)")
+    rows = [
+        [k, f"{v['offered_rps']:.2f}", v["sent"], f"{v['goodput_rps']:.2f}", v["outcomes"]]
+        for k, v in res["levels_out"].items()
+    ]
+    typer.echo(table(["level", "offered/s", "sent", "goodput/s", "outcomes"], rows))
+    drain = res["drain_s"]
+    typer.echo(f"drain: {'not within the bound' if drain is None else f'{drain:.1f} s'}")
+    t = res["tables"]
+    typer.echo(
+        table(
+            ["table", "before", "after"],
+            [[k, t["before"].get(k, 0), v] for k, v in sorted(t["after"].items())],
+        )
+    )
+    mem = res["memory"]["processes"]
+    typer.echo(
+        table(
+            ["process", "start MiB", "end MiB", "growth %"],
+            [
+                [k, f"{m['start_mib']:.0f}", f"{m['end_mib']:.0f}", f"{100 * m['growth']:.1f}"]
+                for k, m in mem.items()
+            ],
+        )
+    )
+    typer.echo(
+        "checks: " + ", ".join(f"{k} {'ok' if v else 'FAILED'}" for k, v in res["checks"].items())
+    )
+    write_json(json_out, res)
+    if plot_out is not None:
+        plot(res, plot_out)
+        typer.echo(f"plot: {plot_out}")

@@ -14,7 +14,7 @@ runner = CliRunner()
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("command", ["serve", "warm-start"])
+@pytest.mark.parametrize("command", ["serve", "warm-start", "soak"])
 def test_a_missing_config_is_refused_naming_it(command: str, tmp_path: Path) -> None:
     res = runner.invoke(app, ["bench", command, "--config", str(tmp_path / "nope.yaml")])
     assert res.exit_code == 2 and "--config" in res.output
@@ -26,3 +26,10 @@ def test_bench_serve_refuses_bad_levels(levels: str) -> None:
     res = runner.invoke(app, ["bench", "serve", "--config", str(config), "--levels", levels])
     assert res.exit_code == 2, res.output
     assert "levels" in res.output or "integers" in res.output
+
+
+@pytest.mark.parametrize("args", [["--levels", "0"], ["--levels", "1,x"], ["--duration", "1"]])
+def test_bench_soak_refuses_bad_input(args: list[str]) -> None:
+    res = runner.invoke(app, ["bench", "soak", "--url", "http://127.0.0.1:9", *args])
+    assert res.exit_code == 2, res.output
+    assert "levels" in res.output or "numbers" in res.output or "duration" in res.output
