@@ -326,7 +326,12 @@ def bench_soak(
     ),
     duration_s: float = typer.Option(120.0, "--duration", min=4, help="Seconds of load in all."),
     levels: str = typer.Option("1.0,1.5", help="Arrival rates, multiples of saturation."),
-    capacity_s: float = typer.Option(20.0, min=2, help="Seconds measuring saturation."),
+    capacity_s: float = typer.Option(
+        32.0, min=2, help="Seconds measuring saturation (closed loop, 4 to 32 clients)."
+    ),
+    warmup_s: float = typer.Option(
+        20.0, "--warmup", min=0, help="Seconds of load at the top level before the baseline."
+    ),
     api_key: str | None = typer.Option(None, help="API key, when the app requires one."),
     json_out: Path | None = typer.Option(None, "--json", help="Write the results as JSON here."),
     plot_out: Path | None = typer.Option(None, "--plot", help="Write a PNG of the run here."),
@@ -353,11 +358,19 @@ def bench_soak(
         pdserve_cli("up", "--config", str(config))
     assert url is not None
     try:
-        res = run(url, api_key, duration_s=duration_s, levels=lv, capacity_s=capacity_s)
+        res = run(
+            url,
+            api_key,
+            duration_s=duration_s,
+            levels=lv,
+            capacity_s=capacity_s,
+            warmup_s=warmup_s,
+        )
     finally:
         if up:
             pdserve_cli("down")
-    typer.echo(f"saturation: {res['saturation_rps']:.2f} req/s (closed loop)")
+    steps = ", ".join(f"{n} clients {v['rps']:.2f}/s" for n, v in res["capacity_steps"].items())
+    typer.echo(f"saturation: {res['saturation_rps']:.2f} req/s (closed loop: {steps})")
     rows = [
         [k, f"{v['offered_rps']:.2f}", v["sent"], f"{v['goodput_rps']:.2f}", v["outcomes"]]
         for k, v in res["levels_out"].items()
