@@ -347,6 +347,7 @@ def plot(report: dict[str, Any], out: Path) -> None:
     for i, x in enumerate(report["levels"]):
         rate = report["saturation_rps"] * x
         a.hlines(rate, i * span, (i + 1) * span, colors="k", linestyles="--")
+    a.set_xlabel("seconds since the load began")
     a.set_ylabel("requests per second (by arrival)")
     a.set_title("pdserve soak (real cluster): outcomes; dashed = offered rate")
     a.legend(fontsize=8)
@@ -354,11 +355,11 @@ def plot(report: dict[str, Any], out: Path) -> None:
     for k in first:
         xs = [t for t, m in report["memory_samples"] if k in m]
         ys = [100.0 * m[k] / first[k] for _, m in report["memory_samples"] if k in m]
-        b.plot(xs, ys, label=k if len(first) <= 12 else None)
+        b.plot(xs, ys, label=k.removeprefix("ray::").removeprefix("ServeReplica:"))
     b.axhline(105, color="r", linestyle=":", label="+5%")
     b.set_xlabel("seconds since the baseline")
     b.set_ylabel("resident memory, % of baseline")
-    b.legend(fontsize=6, ncol=2)
+    b.legend(fontsize=6, ncol=3)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)

@@ -344,6 +344,16 @@ class IngressConfig(_Strict):
         description="Overload bound: uncached prompt tokens queued per prefill replica (about "
         "10 s of prefill work for the test model on 2 CPU cores); above it a 503.",
     )
+    max_expected_wait_s: float = Field(
+        default=30.0,
+        ge=0,
+        le=3600,
+        description="Overload bound in seconds: when the requests in the engines (waiting "
+        "or running, from the replicas' reports) over the engines' completion rate (last "
+        "20 s) pass it, a new request gets 503 with Retry-After at once (Little's law; "
+        "controllers/overload.py). 0: off. Unlike the count bounds it sees the decode side "
+        "and does not depend on the model's speed.",
+    )
     overload_retry_after_s: int = Field(
         default=1, ge=1, le=3600, description="Retry-After (s) of an overload 503."
     )

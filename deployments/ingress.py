@@ -50,6 +50,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from vllm.exceptions import VLLMClientError
 
 from cluster.tenants import Charge, KeyStore, KeyStoreUnavailable, RateLimiter, hash_key
+from controllers.overload import CompletionRate, expected_wait_s, refuse_for
 from controllers.tenants import Bucket
 from deployments.config import (
     AppConfig,
@@ -422,6 +423,12 @@ class IngressCore:
         self._inflight_prefill = 0
         self._inflight_uncached = 0
         self.inflight_peak = 0
+        #: the engines' completions per second (from their reports), for the wait bound
+        self._completions = CompletionRate(window_s=20.0)
+        #: the last expected time in the system (s; Little's law), None while unknown
+        self.expected_wait_s: float | None = None
+        #: requests refused because the expected wait passed ingress.max_expected_wait_s
+        self.wait_refused = 0
         self.overload_refused = 0
         #: requests answered 504 because their deadline passed (both engines aborted them)
         self.deadline_exceeded = 0
@@ -570,6 +577,7 @@ class IngressCore:
         at the prefill and what the replicas last reported, so a refusal costs nothing and
         nothing admitted is slowed. Admitted prompts count as in flight until their prefill
         returns (:meth:`run_prefill`); no ``await`` between check and count."""
+        self.check_wait()
         add_req = len(parts)
         tokens = [_uncached(prep, hint) for prep, hint in parts]
         add_tok = sum(tokens)
@@ -579,6 +587,42 @@ class IngressCore:
         self._inflight_prefill += add_req
         self._inflight_uncached += add_tok
         self.inflight_peak = max(self.inflight_peak, self._inflight_prefill)
+
+    def check_wait(self) -> None:
+        """Overload control in seconds (:mod:`controllers.overload`): refuse with 503 and
+        ``Retry-After`` when the requests in the engines (waiting or running, from the
+        replicas' reports) over the engines' completion rate pass
+        ``ingress.max_expected_wait_s``."""
+        bound = self.cfg.ingress.max_expected_wait_s
+        if not bound:
+            return
+        rows: dict[str, dict[str, Any]] = {}
+        for d in self.directories.values():
+            rows.update(d.snapshot())  # keyed by replica id: an engine counted once
+        decode = self.directories["decode"].snapshot()
+        done = decode or rows  # a request finishes on its decode engine
+        self._completions.add(
+            time.monotonic(), sum(int(r.get("requests_finished") or 0) for r in done.values())
+        )
+        in_system = sum(
+            int(r.get("waiting") or 0) + int(r.get("running") or 0) for r in rows.values()
+        )
+        wait = expected_wait_s(in_system, self._completions.rate())
+        self.expected_wait_s = wait
+        retry = refuse_for(wait, bound)
+        if retry is None:
+            return
+        assert wait is not None
+        self.overload_refused += 1
+        self.wait_refused += 1
+        raise RequestError(
+            f"overloaded: {in_system} requests in the engines, about {wait:.0f} s of work "
+            f"(bound {bound:g} s); retry after {retry} s",
+            None,
+            status=503,
+            headers={"Retry-After": str(retry)},
+            code="overloaded",
+        )
 
     def _overloaded(self, add_req: int, add_tok: int) -> None:
         """Raise the overload 503 when ``add_req`` more prompts (``add_tok`` uncached tokens)
@@ -746,6 +790,8 @@ class IngressCore:
                 "uncached_tokens": self._inflight_uncached,
                 "peak": self.inflight_peak,
                 "overload_refused": self.overload_refused,
+                "wait_refused": self.wait_refused,
+                "expected_wait_s": self.expected_wait_s,
             },
             "deadline_exceeded": self.deadline_exceeded,
             "replica_retries": dict(self.replica_retries),
@@ -860,6 +906,10 @@ class IngressCore:
                 return self._failed(prep, e)
             return await self._respond([(prep, _local_prefill(prep))])
         if self._decode_local(prep):
+            try:
+                self.check_wait()
+            except RequestError as e:
+                return self._failed(prep, e)
             self.decode_local += 1
             return await self._respond([(prep, _local_prefill(prep))])
         try:

@@ -836,3 +836,48 @@ def test_colocated_echo_only_gives_its_queue_slot_back(tiny_model_dir: Path) -> 
     )
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == "say it back"
     assert eng.seen == [] and core._inflight_prefill == 0 and core._inflight_uncached == 0
+
+
+def test_the_wait_bound_refuses_once_the_engines_hold_more_than_it_in_seconds(
+    tiny_model_dir: Path,
+) -> None:
+    """``max_expected_wait_s``: requests in the engines (their reports' waiting + running)
+    over the engines' completion rate (their reports' ``requests_finished``). 40 requests at
+    2 per second is 20 s: admitted under a 30 s bound; 79 is 39.5 s: a 503 with Retry-After
+    (the excess, rounded up) and the numbers in the message."""
+    import asyncio
+    import time
+
+    from deployments.config import AppConfig
+    from deployments.ingress import IngressCore, RequestError
+    from deployments.router_registry import directory
+
+    app = "wait-unit"
+    cfg = AppConfig.model_validate(
+        {
+            "model": {"path": str(tiny_model_dir), "build_preset": None},
+            "index": {"backend": "none"},
+            "ingress": {"warm_up": False, "max_expected_wait_s": 30},
+        }
+    ).model_dump(mode="json")
+    core = IngressCore(cfg, FakeEngine("prefill"), FakeEngine("decode"), app_name=app)
+
+    def reports(waiting: int, finished: int) -> None:
+        directory(app, "prefill").update({"p1": {"waiting": waiting // 2, "running": 0}})
+        directory(app, "decode").update(
+            {"d1": {"waiting": waiting - waiting // 2, "running": 0, "requests_finished": finished}}
+        )
+
+    async def run() -> None:
+        reports(40, 0)
+        core._completions.add(time.monotonic() - 10, 0)  # 20 done in the last 10 s: 2/s
+        reports(40, 20)
+        core.check_wait()
+        assert core.expected_wait_s == pytest.approx(20.0, rel=0.05)
+        reports(79, 20)
+        with pytest.raises(RequestError) as e:
+            core.check_wait()
+        assert e.value.status == 503 and e.value.headers == {"Retry-After": "10"}
+        assert "79 requests in the engines" in str(e.value) and core.wait_refused == 1
+
+    asyncio.run(run())

@@ -1,0 +1,66 @@
+"""Overload control by expected time in the system (Little's law), pure.
+
+The ingress's count bounds (requests and uncached tokens queued per prefill replica) hold
+the prefill queue; they do not see the decode side, and a count that is right for one model
+and machine is wrong for another. Measured with ``pdserve bench soak`` at 1.5x saturation on
+the cluster config: with the count bounds alone, requests queued until the engine time-out
+(120 s) and 439 of 1,233 ended in 504s. This bound is in seconds, which is what clients feel:
+
+    W = L / lambda
+
+``L``: requests in the engines now (waiting or running, prefill and decode, from the
+replicas' reports); ``lambda``: requests the engines completed per second over the last
+``window_s`` (from the same reports' cumulative counts). When ``W`` passes
+``max_expected_wait_s`` a new request is refused at once with 503 and ``Retry-After`` (about
+the time the excess takes to drain). With no completions in the window (start-up, idle) the
+rate is unknown and this bound does not refuse.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+
+class CompletionRate:
+    """Completions per second from samples of a cumulative count, over a sliding window."""
+
+    def __init__(self, window_s: float = 20.0) -> None:
+        if not window_s > 0:
+            raise ValueError(f"window_s must be > 0 (got {window_s})")
+        self.window_s = window_s
+        self._samples: deque[tuple[float, int]] = deque()
+
+    def add(self, now: float, total: int) -> None:
+        """The cumulative count ``total`` seen at ``now`` (a count that went down, a replica
+        replaced, starts the window afresh)."""
+        if self._samples and total < self._samples[-1][1]:
+            self._samples.clear()
+        self._samples.append((now, total))
+        while len(self._samples) > 2 and self._samples[1][0] <= now - self.window_s:
+            self._samples.popleft()
+
+    def rate(self) -> float | None:
+        """Completions per second across the window; ``None`` before two samples a second
+        apart or when none completed (unknown, not zero: an idle system is not slow)."""
+        if len(self._samples) < 2:
+            return None
+        (t0, n0), (t1, n1) = self._samples[0], self._samples[-1]
+        if t1 - t0 < 1.0 or n1 <= n0:
+            return None
+        return (n1 - n0) / (t1 - t0)
+
+
+def expected_wait_s(in_system: int, rate: float | None) -> float | None:
+    """Little's law: ``in_system / rate`` seconds; ``None`` when the rate is unknown."""
+    if rate is None or rate <= 0:
+        return None
+    return max(0, in_system) / rate
+
+
+def refuse_for(wait_s: float | None, bound_s: float) -> int | None:
+    """``Retry-After`` seconds when ``wait_s`` passes ``bound_s`` (the excess, at least 1),
+    else ``None``. ``bound_s`` of 0 turns the check off."""
+    if not bound_s or wait_s is None or wait_s <= bound_s:
+        return None
+    return max(1, math.ceil(wait_s - bound_s))
