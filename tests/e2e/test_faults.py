@@ -95,12 +95,14 @@ def faults(
     }
     wait_until(lambda: full(app), "two prefill and two decode replicas reporting", 300)
     wait_until(lambda: _health(app) == 200, "the app ready", 300)
-    yield app
     try:
-        serve.delete(APP)
-    except TimeoutError:  # a replica left wedged by a failed test: Serve gets there later
-        wait_until(lambda: APP not in serve.status().applications, "the app deleted", 300)
-    stop_redis(app["redis"])
+        yield app
+        try:
+            serve.delete(APP)
+        except TimeoutError:  # a replica left wedged by a failed test: Serve gets there later
+            wait_until(lambda: APP not in serve.status().applications, "the app deleted", 300)
+    finally:
+        stop_redis(app["redis"])  # the one running now (a test may have restarted it)
     out = os.environ.get("PDSERVE_FAULT_REPORT")
     if out:
         Path(out).write_text(json.dumps({k: asdict(v) for k, v in REPORT.items()}, indent=2))
