@@ -613,14 +613,20 @@ class IngressCore:
         if retry is None:
             return
         assert wait is not None
-        self.overload_refused += 1
         self.wait_refused += 1
-        raise RequestError(
-            f"overloaded: {in_system} requests in the engines, about {wait:.0f} s of work "
-            f"(bound {bound:g} s); retry after {retry} s",
+        what = (
+            f"{in_system} requests in the engines, about {wait:.0f} s of work (bound {bound:g} s)"
+        )
+        raise self._overload_error(what, retry)
+
+    def _overload_error(self, what: str, retry_after_s: int) -> RequestError:
+        """The overload 503 (counted), with ``Retry-After``."""
+        self.overload_refused += 1
+        return RequestError(
+            f"overloaded: {what}; retry after {retry_after_s} s",
             None,
             status=503,
-            headers={"Retry-After": str(retry)},
+            headers={"Retry-After": str(retry_after_s)},
             code="overloaded",
         )
 
@@ -642,15 +648,7 @@ class IngressCore:
         elif add_tok and tokens > 0 and tokens + add_tok > cap_tok:
             what = f"{tokens} uncached prompt tokens queued at {n} prefill replica(s) (bound {cap_tok})"
         if what is not None:
-            self.overload_refused += 1
-            wait = ing.overload_retry_after_s
-            raise RequestError(
-                f"overloaded: {what}; retry after {wait} s",
-                None,
-                status=503,
-                headers={"Retry-After": str(wait)},
-                code="overloaded",
-            )
+            raise self._overload_error(what, ing.overload_retry_after_s)
 
     # -- endpoints -----------------------------------------------------------------------
     async def health(self) -> JSONResponse:
