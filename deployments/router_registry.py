@@ -101,8 +101,9 @@ class RouterCounters:
 
 
 def router_stats(app: str, deployment: str) -> dict[str, Any]:
-    """``{"policy", "routed": {replica: n}, "fallbacks": {name: n}}`` of this process's router
-    for ``app``'s ``deployment`` (empty until the router has been built)."""
+    """``{"policy", "routed": {replica: n}, "fallbacks": {name: n}, "tables": {name: n}}`` of
+    this process's router for ``app``'s ``deployment`` (empty until the router has been
+    built)."""
     with _REGISTRY_LOCK:
         c = _STATS.get((app, deployment))
     return c.as_dict() if c is not None else {"policy": None, "routed": {}, "fallbacks": {}}
