@@ -434,7 +434,7 @@ def test_a_client_that_goes_away_frees_both_engines(faults: dict[str, Any]) -> N
     taken = sum(int(r["requests"]) for r in decodes.values())
     aborted = sum(int(r["requests_aborted"]) for r in decodes.values())
     for rid in decodes:
-        wedge("decode", rid, 6)
+        wedge("decode", rid, 10)
     raw = json.dumps(body(prompt(700, 4), 64, stream=True)).encode()
     host, port = faults["url"].removeprefix("http://").split(":")
     sock = socket.create_connection((host, int(port)), timeout=30)
@@ -443,13 +443,23 @@ def test_a_client_that_goes_away_frees_both_engines(faults: dict[str, Any]) -> N
         f"Content-Type: application/json\r\nContent-Length: {len(raw)}\r\n\r\n".encode()
         + raw
     )
+
+    def holder() -> str | None:
+        """The prefill replica that served it, once both roles' reports show it."""
+        if sum(int(r["requests"]) for r in rows(faults, "decode").values()) <= taken:
+            return None
+        now = rows(faults, "prefill")
+        return next((k for k in served if int(now.get(k, {}).get("requests", 0)) > served[k]), None)
+
+    # the reports come every fraction of a second; the decode engines stay wedged for 10 s
+    wait_until(lambda: holder() is not None, "the decode replica holds the request", 8)
+    held = holder()
+    assert held is not None
     wait_until(
-        lambda: sum(int(r["requests"]) for r in rows(faults, "decode").values()) > taken,
-        "the decode replica holds the request",
+        lambda: int(rows(faults, "prefill")[held]["free_kv_blocks"]) < free[held],
+        "its KV pinned for the pull",
+        5,
     )
-    now = rows(faults, "prefill")
-    holder = next(k for k in served if int(now[k]["requests"]) > served[k])
-    assert int(now[holder]["free_kv_blocks"]) < free[holder]  # its KV pinned for the pull
     sock.close()  # the client goes away
     tally.add("abandoned")
     wait_until(
@@ -459,7 +469,7 @@ def test_a_client_that_goes_away_frees_both_engines(faults: dict[str, Any]) -> N
     )
     t_abort = time.monotonic()
     wait_until(
-        lambda: int(rows(faults, "prefill")[holder]["free_kv_blocks"]) >= free[holder],
+        lambda: int(rows(faults, "prefill")[held]["free_kv_blocks"]) >= free[held],
         "the prefill's pinned blocks back",
         45,
     )
