@@ -96,9 +96,9 @@ def rss() -> dict[str, int]:
     out: dict[str, int] = {}
     for p in psutil.process_iter(["pid", "name", "cmdline", "memory_info"]):
         try:
-            cmd = " ".join(p.info["cmdline"] or []) or (p.info["name"] or "")
-            name = cmd.split(" ")[0] if cmd.startswith("ray::") else (p.info["name"] or "")
-            if any(name.startswith(f) or f in cmd.split(" ")[0] for f in FOLLOWED):
+            argv0 = (p.info["cmdline"] or [p.info["name"] or ""])[0]
+            name = argv0 if argv0.startswith("ray::") else (p.info["name"] or "")
+            if any(name.startswith(f) for f in FOLLOWED):
                 out[f"{name}[{p.info['pid']}]"] = int(p.info["memory_info"].rss)
         except (psutil.Error, TypeError, AttributeError):
             continue
@@ -135,10 +135,10 @@ def capacity(
     for n in clients:
         rate, seen = _closed_loop(url, key, bodies, n, seconds / len(clients))
         steps[str(n)] = {"rps": rate, "outcomes": dict(seen)}
-        if rate < best * 1.1:
-            best = max(best, rate)
-            break
+        grew = rate >= best * 1.1
         best = max(best, rate)
+        if not grew:
+            break
     return best, steps
 
 

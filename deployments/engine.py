@@ -986,9 +986,7 @@ class EngineReplica:
         for ``seconds``; returns this replica's id. With ``replica_id``, only that replica
         does (the others return ``None``: Serve's handle picks the replica, so a test calls
         until the one it means answers)."""
-        if not self.cfg.engine(self.role).fault_injection:
-            raise PermissionError(f"{self.role}.fault_injection is off")
-        if replica_id is not None and replica_id != self.replica_id:
+        if not self._fault_target(replica_id):
             return None
         self.engine.hold(float(seconds))
         return self.replica_id
@@ -997,14 +995,19 @@ class EngineReplica:
         """Fault injection (``fault_injection: true`` only): this engine's next ``n`` KV reads
         fail (``0`` disarms; :func:`engines.nixl_connector.fail_next_reads`); returns this
         replica's id, or ``None`` when ``replica_id`` names another replica."""
-        if not self.cfg.engine(self.role).fault_injection:
-            raise PermissionError(f"{self.role}.fault_injection is off")
-        if replica_id is not None and replica_id != self.replica_id:
+        if not self._fault_target(replica_id):
             return None
         from engines.nixl_connector import fail_next_reads
 
         fail_next_reads(n)
         return self.replica_id
+
+    def _fault_target(self, replica_id: str | None) -> bool:
+        """Whether a fault-injection call is for this replica (``replica_id`` None: any);
+        refused (``PermissionError``) unless ``fault_injection`` is on."""
+        if not self.cfg.engine(self.role).fault_injection:
+            raise PermissionError(f"{self.role}.fault_injection is off")
+        return replica_id is None or replica_id == self.replica_id
 
     def __del__(self) -> None:
         """The last step of Serve's graceful shutdown (scale-down, redeploy), after Serve

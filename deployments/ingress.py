@@ -596,10 +596,8 @@ class IngressCore:
         bound = self.cfg.ingress.max_expected_wait_s
         if not bound:
             return
-        rows: dict[str, dict[str, Any]] = {}
-        for d in self.directories.values():
-            rows.update(d.snapshot())  # keyed by replica id: an engine counted once
         decode = self.directories["decode"].snapshot()
+        rows = {**self.directories["prefill"].snapshot(), **decode}  # an engine counted once
         done = decode or rows  # a request finishes on its decode engine
         self._completions.add(
             time.monotonic(), sum(int(r.get("requests_finished") or 0) for r in done.values())
