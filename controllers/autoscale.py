@@ -1,0 +1,365 @@
+"""Serverless autoscaling of a prefill/decode pair from token-level demand, pure.
+
+One call, :func:`decide`, turns both roles' demand (:class:`RoleDemand`) into replica counts
+(:class:`Decision`, each with a named reason) and the next :class:`AutoscaleState`. The live
+wiring (:mod:`deployments.autoscaling`, a Ray Serve application-level policy) and the
+autoscaling simulator (``pdserve sim autoscale``) both call it.
+
+**Prefill** is sized by uncached prompt tokens against measured prefill throughput ``mu``
+(tokens/s per replica; the replicas report it, ``prefill_tokens_per_s`` until they have)::
+
+    need_p = ceil( lambda / (mu * u)  +  (B + G) / (mu * D) )
+
+``lambda``: uncached prompt tokens arriving per second (from the replicas' cumulative
+counts, smoothed); ``u``: the target utilisation; ``B``: uncached tokens queued now,
+including requests waiting at the handles for a replica (``expected_prompt_tokens`` each);
+``D``: the time the backlog should take to drain (``prefill_drain_s``). ``G`` is where the
+**cold start** enters: a replica asked for now serves only after ``C`` seconds (the measured
+cold start, ``cold_start_s`` until one is measured), and while it starts the backlog grows
+by whatever arrives beyond the present replicas' capacity: ``G = max(0, lambda - n mu) C``.
+A long cold start therefore scales up earlier and further; a short one waits for the
+backlog itself.
+
+**Decode** is sized by the TWP token window: ``need_d = ceil(token_load / (H u))`` with
+``token_load`` the replicas' summed TWP load and ``H`` their (mean) token window, and by KV:
+``ceil(used_kv_blocks / (blocks_per_replica * kv_target))``, whichever is larger.
+
+Then, per role, in this order (each step names the reason when it sets the count):
+
+1. ``scale_from_zero``: a role at zero with requests waiting at its handle goes to at least
+   one. In ``pd`` mode the pair starts **together**: a request meets prefill's and decode's
+   cold starts in series otherwise (prefill would start, serve, and only then would decode
+   see its first request).
+2. ``demand``: ``need`` plus the **warm pool** (``warm_pool`` idle replicas kept ready while
+   the app is active), at least one while anything is in flight.
+3. ``idle_to_zero``: no request seen for ``idle_to_zero_s`` (the keep-alive): ``min_replicas``
+   (zero by default), both roles at once.
+4. ``paired_with_prefill`` (pd): decode is never at zero while prefill is not (a prefilled
+   request has nowhere to go).
+5. Hysteresis: up at once; down only after the wanted count has stayed below the target for
+   ``downscale_delay_s``, and then to the largest count wanted in that time
+   (``hold_downscale`` meanwhile). ``idle_to_zero`` has waited its keep-alive already.
+6. ``bounds``: ``[min_replicas, max_replicas]``.
+
+Choices where the issue is silent, written down: activity is per app (one request keeps
+both roles alive); the warm pool is not kept through the keep-alive's end (a pool kept
+forever is ``min_replicas``); the measured cold start is the mean of the last eight starts
+(time from a raised target to the running count reaching it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+AutoscaleRole = Literal["prefill", "decode"]
+ROLES: tuple[AutoscaleRole, ...] = ("prefill", "decode")
+#: Cold starts remembered for the measured estimate.
+COLD_START_SAMPLES = 8
+
+
+class RoleBounds(BaseModel):
+    """One role's replica bounds."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    min_replicas: int = Field(default=0, ge=0, description="Fewest replicas (0: scale to zero).")
+    max_replicas: int = Field(default=2, ge=1, description="Most replicas.")
+    initial_replicas: int | None = Field(
+        default=None, ge=0, description="Replicas at deploy time (default: min_replicas)."
+    )
+
+    @model_validator(mode="after")
+    def _ordered(self) -> RoleBounds:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"min_replicas ({self.min_replicas}) > max_replicas ({self.max_replicas})"
+            )
+        if self.initial_replicas is not None and not (
+            self.min_replicas <= self.initial_replicas <= self.max_replicas
+        ):
+            raise ValueError(
+                f"initial_replicas ({self.initial_replicas}) outside "
+                f"[{self.min_replicas}, {self.max_replicas}]"
+            )
+        return self
+
+    def initial(self) -> int:
+        return self.min_replicas if self.initial_replicas is None else self.initial_replicas
+
+
+class AutoscaleConfig(BaseModel):
+    """Parameters of :func:`decide` (``autoscaling`` in the app config)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    enabled: bool = Field(
+        default=False, description="Scale the engine deployments (else num_replicas is fixed)."
+    )
+    prefill: RoleBounds = Field(default_factory=RoleBounds, description="Prefill bounds.")
+    decode: RoleBounds = Field(
+        default_factory=lambda: RoleBounds(max_replicas=1), description="Decode bounds."
+    )
+    warm_pool: int = Field(
+        default=0, ge=0, description="Idle replicas per role kept ready above demand while active."
+    )
+    idle_to_zero_s: float = Field(
+        default=300.0, gt=0, description="Keep-alive: no request this long -> min_replicas (s)."
+    )
+    downscale_delay_s: float = Field(
+        default=30.0, ge=0, description="Hysteresis: wanted below target this long before down (s)."
+    )
+    target_utilization: float = Field(
+        default=0.8, gt=0, le=1, description="Share of a replica's capacity the steady demand uses."
+    )
+    prefill_drain_s: float = Field(
+        default=4.0, gt=0, description="Time the queued prefill backlog should take to drain (s)."
+    )
+    prefill_tokens_per_s: float = Field(
+        default=2000.0, gt=0, description="Prefill throughput per replica until one is measured."
+    )
+    expected_prompt_tokens: int = Field(
+        default=1024, ge=1, description="Uncached tokens counted per request waiting at a handle."
+    )
+    kv_target: float = Field(
+        default=0.9, gt=0, le=1, description="Share of a decode replica's KV blocks demand may use."
+    )
+    cold_start_s: float = Field(
+        default=30.0, ge=0, description="Cold-start estimate until one is measured (s)."
+    )
+    inflow_smoothing: float = Field(
+        default=0.3, gt=0, le=1, description="EMA weight of the newest inflow sample."
+    )
+
+
+@dataclass(frozen=True)
+class RoleDemand:
+    """One role's demand and capacity at one instant (summed over its replicas)."""
+
+    running: int
+    """Replicas running now."""
+    target: int
+    """The count the autoscaler last set."""
+    handle_queued: float = 0.0
+    """Requests waiting at the handles for a replica."""
+    ongoing: float = 0.0
+    """Requests in the role (queued at handles, waiting or running in replicas)."""
+    queued_uncached_tokens: float = 0.0
+    """Prefill: uncached prompt tokens queued in the replicas."""
+    uncached_tokens_total: float | None = None
+    """Prefill: cumulative uncached prompt tokens the replicas have taken (inflow)."""
+    tokens_per_s: float | None = None
+    """Prefill: measured throughput per replica (tokens/s), when known."""
+    token_load: float = 0.0
+    """Decode: summed TWP token load."""
+    window_tokens: float | None = None
+    """Decode: the replicas' mean TWP window (tokens); ``None``: unpaced."""
+    used_kv_blocks: float = 0.0
+    """Decode: KV blocks in use, summed."""
+    kv_blocks_per_replica: float | None = None
+    """Decode: KV blocks of one replica."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One role's replica count and why."""
+
+    replicas: int
+    reason: str
+    need: float = 0.0
+
+
+@dataclass(frozen=True)
+class RoleState:
+    """Hysteresis and cold-start bookkeeping of one role."""
+
+    below_since: float | None = None
+    below_max: int = 0
+    raised_at: float | None = None
+    raised_to: int = 0
+    cold_starts: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
+class AutoscaleState:
+    """Everything :func:`decide` remembers between calls (JSON-able via :meth:`to_dict`)."""
+
+    last_active: float | None = None
+    inflow_tokens_per_s: float = 0.0
+    inflow_last: tuple[float, float] | None = None
+    roles: dict[str, RoleState] = field(default_factory=dict)
+    decisions: int = 0
+
+    def role(self, name: str) -> RoleState:
+        return self.roles.get(name, RoleState())
+
+    def cold_start_s(self, cfg: AutoscaleConfig) -> float:
+        """Mean of the measured cold starts of either role (``cfg.cold_start_s`` before)."""
+        xs = [x for r in self.roles.values() for x in r.cold_starts]
+        return sum(xs) / len(xs) if xs else cfg.cold_start_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> AutoscaleState:
+        if not d:
+            return cls()
+        roles = {
+            k: RoleState(**{**v, "cold_starts": tuple(v.get("cold_starts", ()))})
+            for k, v in d.get("roles", {}).items()
+        }
+        last = d.get("inflow_last")
+        return cls(
+            last_active=d.get("last_active"),
+            inflow_tokens_per_s=float(d.get("inflow_tokens_per_s", 0.0)),
+            inflow_last=None if last is None else (float(last[0]), float(last[1])),
+            roles=roles,
+            decisions=int(d.get("decisions", 0)),
+        )
+
+
+def prefill_need(d: RoleDemand, inflow: float, cold_start_s: float, cfg: AutoscaleConfig) -> float:
+    """Replicas the prefill demand needs (fractional; see the module docstring)."""
+    mu = d.tokens_per_s if d.tokens_per_s and d.tokens_per_s > 0 else cfg.prefill_tokens_per_s
+    backlog = d.queued_uncached_tokens + d.handle_queued * cfg.expected_prompt_tokens
+    growth = max(0.0, inflow - d.running * mu) * cold_start_s
+    return inflow / (mu * cfg.target_utilization) + (backlog + growth) / (mu * cfg.prefill_drain_s)
+
+
+def decode_need(d: RoleDemand, cfg: AutoscaleConfig) -> float:
+    """Replicas the decode demand needs (fractional): TWP window and KV, the larger."""
+    by_window = 0.0
+    if d.window_tokens is not None and d.window_tokens > 0:
+        by_window = d.token_load / (d.window_tokens * cfg.target_utilization)
+    by_kv = 0.0
+    if d.kv_blocks_per_replica:
+        by_kv = d.used_kv_blocks / (d.kv_blocks_per_replica * cfg.kv_target)
+    return max(by_window, by_kv)
+
+
+def _observe_inflow(
+    state: AutoscaleState, d: RoleDemand, cfg: AutoscaleConfig, now: float
+) -> AutoscaleState:
+    total = d.uncached_tokens_total
+    if total is None:
+        return state
+    last = state.inflow_last
+    rate = state.inflow_tokens_per_s
+    if last is not None and now > last[0]:
+        delta = total - last[1]
+        if delta >= 0:  # a drop is a replica gone or restarted: start afresh
+            sample = delta / (now - last[0])
+            a = cfg.inflow_smoothing
+            rate = a * sample + (1 - a) * rate
+    return replace(state, inflow_tokens_per_s=rate, inflow_last=(now, float(total)))
+
+
+def _observe_cold_start(rs: RoleState, d: RoleDemand, now: float) -> RoleState:
+    """A raised target that the running count has reached is one measured cold start."""
+    if rs.raised_at is not None and d.running >= rs.raised_to:
+        starts = (*rs.cold_starts, now - rs.raised_at)[-COLD_START_SAMPLES:]
+        return replace(rs, raised_at=None, raised_to=0, cold_starts=starts)
+    return rs
+
+
+def _hysteresis(
+    rs: RoleState, target: int, want: int, now: float, delay: float
+) -> tuple[RoleState, int, bool]:
+    """(state, count, held): up at once; down after ``delay`` to the window's largest want."""
+    if want >= target:
+        return replace(rs, below_since=None, below_max=0), want, False
+    since = now if rs.below_since is None else rs.below_since
+    rs = replace(rs, below_since=since, below_max=max(rs.below_max, want))
+    if now - since >= delay:
+        count = rs.below_max
+        return replace(rs, below_since=None, below_max=0), count, False
+    return rs, target, True
+
+
+def decide(
+    state: AutoscaleState,
+    demand: dict[str, RoleDemand],
+    cfg: AutoscaleConfig,
+    now: float,
+    *,
+    paired: bool = True,
+) -> tuple[AutoscaleState, dict[str, Decision]]:
+    """Replica counts for the roles in ``demand`` (``prefill`` and, when ``paired``, ``decode``
+    too) and the next state. ``paired=False`` (colocated: one role serves both phases) skips
+    the pairing rules."""
+    pre = demand.get("prefill")
+    if pre is not None:
+        state = _observe_inflow(state, pre, cfg, now)
+    roles = dict(state.roles)
+    for name, d in demand.items():
+        roles[name] = _observe_cold_start(state.role(name), d, now)
+    state = replace(state, roles=roles)
+    cold = state.cold_start_s(cfg)
+
+    active_now = any(
+        d.ongoing > 0 or d.handle_queued > 0 or d.queued_uncached_tokens > 0 or d.token_load > 0
+        for d in demand.values()
+    )
+    if active_now:
+        state = replace(state, last_active=now)
+    idle = state.last_active is None or now - state.last_active >= cfg.idle_to_zero_s
+    from_zero = any(d.running == 0 and d.handle_queued > 0 for d in demand.values())
+
+    wants: dict[str, tuple[int, str, float]] = {}
+    for name, d in demand.items():
+        bounds: RoleBounds = getattr(cfg, name)
+        if name == "prefill":
+            need = prefill_need(d, state.inflow_tokens_per_s, cold, cfg)
+        else:
+            need = decode_need(d, cfg)
+        if idle and not active_now:
+            want, reason = 0, "idle_to_zero"
+        else:
+            want = math.ceil(need - 1e-9) + cfg.warm_pool
+            if d.ongoing > 0 or d.handle_queued > 0:
+                want = max(want, 1)
+            reason = (
+                "demand" if math.ceil(need - 1e-9) > 0 else "warm_pool" if want else "no_demand"
+            )
+        waiting_here = d.running == 0 and d.handle_queued > 0
+        partner_waiting = from_zero and paired and d.running == 0 and d.target == 0
+        if waiting_here or partner_waiting:
+            want, reason = max(want, 1), "scale_from_zero"
+        wants[name] = (max(0, min(want, bounds.max_replicas)), reason, need)
+
+    if paired and "prefill" in wants and "decode" in wants:
+        wp, _, _ = wants["prefill"]
+        wd, rd, nd = wants["decode"]
+        if wp > 0 and wd == 0:
+            wants["decode"] = (1, "paired_with_prefill", nd)
+
+    decisions: dict[str, Decision] = {}
+    roles = dict(state.roles)
+    for name, (want, reason, need) in wants.items():
+        d = demand[name]
+        bounds = getattr(cfg, name)
+        rs = roles.get(name, RoleState())
+        if reason == "idle_to_zero":
+            count, held = want, False
+            rs = replace(rs, below_since=None, below_max=0)
+        else:
+            rs, count, held = _hysteresis(rs, d.target, want, now, cfg.downscale_delay_s)
+        if held:
+            reason = "hold_downscale"
+        bounded = max(bounds.min_replicas, min(bounds.max_replicas, count))
+        if bounded != count:
+            reason = "bounds"
+        if bounded > max(d.target, d.running):
+            rs = replace(
+                rs, raised_at=now if rs.raised_at is None else rs.raised_at, raised_to=bounded
+            )
+        elif bounded < rs.raised_to:
+            rs = replace(rs, raised_at=None, raised_to=0)
+        roles[name] = rs
+        decisions[name] = Decision(bounded, reason, round(need, 3))
+    state = replace(state, roles=roles, decisions=state.decisions + 1)
+    return state, decisions
