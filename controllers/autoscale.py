@@ -59,6 +59,9 @@ AutoscaleRole = Literal["prefill", "decode"]
 ROLES: tuple[AutoscaleRole, ...] = ("prefill", "decode")
 #: Cold starts remembered for the measured estimate.
 COLD_START_SAMPLES = 8
+#: Shortest interval between two inflow samples (s): Serve calls a policy about ten times a
+#: second, and the replicas' counts move once per metrics interval.
+INFLOW_MIN_INTERVAL_S = 1.0
 
 
 class RoleBounds(BaseModel):
@@ -249,7 +252,9 @@ def _observe_inflow(
         return state
     last = state.inflow_last
     rate = state.inflow_tokens_per_s
-    if last is not None and now > last[0]:
+    if last is not None and now - last[0] < INFLOW_MIN_INTERVAL_S:
+        return state
+    if last is not None:
         delta = total - last[1]
         if delta >= 0:  # a drop is a replica gone or restarted: start afresh
             sample = delta / (now - last[0])

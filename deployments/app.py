@@ -5,7 +5,9 @@ fails here, at deploy time, with the field named), builds the model when it is m
 config allows, and binds three deployments: ``prefill`` and ``decode``
 (``num_replicas`` :class:`~deployments.engine.EngineReplica` each, with the config's fractional
 ``num_cpus``, routed by :mod:`deployments.router` and reporting their load every
-``routing.stats_period_s``) and the FastAPI ``ingress``.
+``routing.stats_period_s``) and the FastAPI ``ingress``. With ``autoscaling.enabled`` the
+engine deployments get an ``autoscaling_config`` instead of a replica count (the serverless
+autoscaler, :mod:`deployments.autoscaling`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
+from deployments.autoscaling import serve_autoscaling_config
 from deployments.config import AppConfig, Role, live_defaults, load_app_config
 from deployments.engine import EngineReplica
 from deployments.ingress import IngressCore, api
@@ -144,9 +147,13 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     roles: tuple[Role, ...] = ("prefill",) if cfg.mode == "colocated" else ("prefill", "decode")
     for role in roles:
         e = cfg.engine(role)
+        scale: dict[str, Any] = {"num_replicas": e.num_replicas}
+        if cfg.autoscaling.enabled:  # the serverless autoscaler (deployments.autoscaling)
+            paired = cfg.mode != "colocated"
+            scale = {"autoscaling_config": serve_autoscaling_config(cfg.autoscaling, role, paired)}
         engines[role] = Engine.options(
             name=role,
-            num_replicas=e.num_replicas,
+            **scale,
             max_ongoing_requests=e.max_ongoing_requests,
             ray_actor_options=actor_options(e.num_cpus, e.num_gpus, e.resources),
             health_check_timeout_s=60,

@@ -22,6 +22,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from cluster.tenants import TENANT_PATTERN, is_key_hash
+from controllers.autoscale import AutoscaleConfig, RoleBounds
 from controllers.config import FairwayConfig
 from controllers.decode.config import TWPConfig
 from controllers.routing import RoutingConfig, RoutingName
@@ -664,6 +665,12 @@ class AppConfig(_Strict):
     observability: ObservabilityConfig = Field(
         default_factory=ObservabilityConfig, description="Traces (OpenTelemetry) and metrics."
     )
+    autoscaling: AutoscaleConfig = Field(
+        default_factory=AutoscaleConfig,
+        description="Serverless autoscaling of the engine deployments (controllers.autoscale); "
+        "when enabled, each role's replica count moves within its bounds and "
+        "prefill.num_replicas / decode.num_replicas are not used.",
+    )
     cache_dir: str = Field(
         default=DEFAULT_CACHE_DIR,
         description="Folder for vLLM's and torch inductor's caches ('~' expands).",
@@ -677,15 +684,16 @@ class AppConfig(_Strict):
                 f"ingress.num_replicas={self.ingress.num_replicas}; use 'redis'"
             )
         p, d = self.prefill, self.decode
+        np_, nd = self.max_replicas("prefill"), self.max_replicas("decode")
         _no_overlap(
             "nixl_side_channel_port",
-            _span(p.nixl_side_channel_port, 1, p.num_replicas),
-            _span(d.nixl_side_channel_port, 1, d.num_replicas),
+            _span(p.nixl_side_channel_port, 1, np_),
+            _span(d.nixl_side_channel_port, 1, nd),
         )
         _no_overlap(  # a publisher and a replay port per replica
             "kv_events.port",
-            _span(p.kv_events.port, 2, p.num_replicas),
-            _span(d.kv_events.port, 2, d.num_replicas),
+            _span(p.kv_events.port, 2, np_),
+            _span(d.kv_events.port, 2, nd),
         )
         for role, e in (("prefill", p), ("decode", d)):
             try:
@@ -702,6 +710,13 @@ class AppConfig(_Strict):
     def engine(self, role: Role) -> EngineConfig:
         """The engine config of ``role``."""
         return self.prefill if role == "prefill" else self.decode
+
+    def max_replicas(self, role: Role) -> int:
+        """The most replicas ``role`` runs: its autoscaling bound, else ``num_replicas``."""
+        if self.autoscaling.enabled:
+            bounds: RoleBounds = getattr(self.autoscaling, role)
+            return bounds.max_replicas
+        return self.engine(role).num_replicas
 
     def model_preset(self) -> str:
         """The model's preset: from its folder's model card when built, else

@@ -51,6 +51,8 @@ from engines.launch import EngineLaunch, start_engine
 from engines.runtime import load_report
 
 log = logging.getLogger(__name__)
+#: Seconds of prefill a replica runs before its measured prefill rate replaces its profile's.
+MEASURED_AFTER_S = 2.0
 
 
 @dataclass
@@ -473,6 +475,19 @@ class EngineReplica:
         self.requests = 0
         #: engine calls (prefill or decode) running in this replica now
         self.in_flight = 0
+        #: warm: an engine call has completed here (the ingress's warm-up of a new replica's
+        #: pairs is one), so the routers may send it clients' requests; without the ingress's
+        #: warm-up (colocated, or ``ingress.warm_up: false``) warm once ready
+        self.warm = not (self.cfg.ingress.warm_up and self.cfg.mode == "pd")
+        self._prefill_rate: float | None = None
+        #: the request id of the first engine call after start-up (a warm-up's, when the
+        #: routers sent this replica nothing before it was warm)
+        self.first_call: str | None = None
+        #: prefill calls running now, and the seconds at least one has run (the measured
+        #: prefill throughput is the uncached tokens prefilled over those seconds)
+        self._prefills = 0
+        self._busy_since = 0.0
+        self._busy_s = 0.0
         self.prompt_tokens = 0
         self.cached_tokens = 0
         if role == "prefill" and self.cfg.index.backend != "none" and self.ports.kv_events:
@@ -545,19 +560,30 @@ class EngineReplica:
     # -- calls ---------------------------------------------------------------------------
     async def prefill(self, req: EngineRequest) -> EngineChunk:
         """:meth:`_prefill`, counted in ``requests_in_flight`` while it runs."""
+        self.first_call = self.first_call or req.request_id
         self.in_flight += 1
+        if self._prefills == 0:
+            self._busy_since = time.monotonic()
+        self._prefills += 1
         try:
-            return await self._prefill(req)
+            out = await self._prefill(req)
+            self.warm = True
+            return out
         finally:
             self.in_flight -= 1
+            self._prefills -= 1
+            if self._prefills == 0:
+                self._busy_s += time.monotonic() - self._busy_since
 
     async def decode(self, req: EngineRequest) -> AsyncIterator[EngineChunk]:
         """:meth:`_decode`, counted in ``requests_in_flight`` until the stream ends (or is
         cancelled)."""
+        self.first_call = self.first_call or req.request_id
         self.in_flight += 1
         try:
             async for chunk in self._decode(req):
                 yield chunk
+            self.warm = True
         finally:
             self.in_flight -= 1
 
@@ -931,6 +957,8 @@ class EngineReplica:
             "cached_tokens": self.cached_tokens,
             "requests_aborted": self.engine.aborted,
             "requests_in_flight": self.in_flight,
+            "warm": self.warm,
+            "first_call": self.first_call,
             # the blocks this replica's feed holds for the Redis index (bounded by the KV
             # cache: a load test checks it stays so)
             "tracked_blocks": None
@@ -938,6 +966,48 @@ class EngineReplica:
             else sum(len(rf.tracker.blocks) for rf in list(self.feed.replicas.values())),
             **self.counters.as_dict(),
         }
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """The custom metrics Serve hands the autoscaling policy (:mod:`deployments.autoscaling`,
+        names in its ``METRICS``): engine calls in flight (health probes and stats calls are
+        not engine calls, so a load balancer's probes do not keep an idle pool alive), the
+        prefill backlog and cumulative uncached tokens with this hardware's prefill rate, the
+        TWP load and window and the KV blocks in use, and whether this replica is warm."""
+        load = self.engine.load
+        out = {
+            "requests_in_flight": float(self.in_flight),
+            "queued_uncached_tokens": float(load.get("queued_uncached_tokens") or 0),
+            "warm": 1.0 if self.warm else 0.0,
+            "uncached_tokens_total": float(max(0, self.prompt_tokens - self.cached_tokens)),
+        }
+        rate = self.prefill_tokens_per_s()
+        if rate is not None:
+            out["prefill_tokens_per_s"] = rate
+        if load.get("window_tokens") is not None:
+            out["window_tokens"] = float(load["window_tokens"])
+            out["token_load"] = float(load.get("token_load") or 0.0)
+        total = load.get("total_kv_blocks")
+        if total:
+            out["total_kv_blocks"] = float(total)
+            out["used_kv_blocks"] = float(total - int(load.get("free_kv_blocks") or 0))
+        return out
+
+    def prefill_tokens_per_s(self) -> float | None:
+        """Prefill throughput of this replica (tokens/s): the uncached prompt tokens it has
+        prefilled over the seconds it had a prefill call running (the serving rate, with
+        every per-request cost in it), once it has been busy for :data:`MEASURED_AFTER_S`;
+        before, its engine profile's rate at ``min(1024, max_model_len / 2)`` tokens (an idle
+        engine's, measured on this hardware by ``pdserve profile``); ``None`` with neither."""
+        done = self.prompt_tokens - self.cached_tokens
+        if self._busy_s >= MEASURED_AFTER_S and done > 0:
+            return done / self._busy_s
+        if self._prefill_rate is None:
+            profile = getattr(self.engine.scheduler, "profile", None)
+            if profile is None:
+                return None
+            n = max(1, min(1024, self.cfg.model.max_model_len // 2))
+            self._prefill_rate = n / max(1e-6, profile.prefill_seconds(n))
+        return self._prefill_rate
 
     async def model_path(self) -> str:
         """The model folder this engine loaded (clients use its tokenizer)."""
@@ -951,6 +1021,8 @@ class EngineReplica:
             "replica_id": self.replica_id,
             "hash_mode": self.hash_mode,
             "requests_aborted": self.engine.aborted,
+            "warm": self.warm,
+            "first_call": self.first_call,
             "live_config": self.live_config(),
             **self.counters.as_dict(),
         }

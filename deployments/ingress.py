@@ -92,7 +92,7 @@ from deployments.protocol import (
     Sampling,
     TokenLogprob,
 )
-from deployments.router_registry import directory, router_stats, set_routing
+from deployments.router_registry import directory, handle_waits, router_stats, set_routing
 from deployments.telemetry import (
     CounterPublisher,
     child,
@@ -339,6 +339,8 @@ class Prepared:
 
 #: Statistics of the directory reports shown per replica in ``/v1/pdserve/stats``.
 _REPORT_KEYS = (
+    "warm",
+    "first_call",
     "requests",
     "prompt_tokens",
     "cached_tokens",
@@ -414,8 +416,22 @@ class IngressCore:
         #: last), ``respond`` (after the last chunk until the response is done)
         self.phases: dict[str, deque[float]] = {
             k: deque(maxlen=4096)
-            for k in ("prepare", "route", "prefill", "decode_first", "decode", "respond")
+            for k in (
+                "prepare",
+                "route",
+                "cold_start",
+                "prefill",
+                "decode_first",
+                "decode",
+                "respond",
+            )
         }
+        #: serverless: a role's calls waited at its handle while it started from zero
+        #: (``cold_start`` above: those waits, taken out of ``prefill``/``decode_first``)
+        self.autoscaling = self.cfg.autoscaling.enabled
+        self.waits = {role: handle_waits(app_name, role) for role in ("prefill", "decode")}
+        self.cold_start_waits = {"prefill": 0, "decode": 0}
+        self.cold_start_last_s: dict[str, float | None] = {"prefill": None, "decode": None}
         self.requests = 0
         self.refused = 0
         #: overload control: prompts in flight at the prefill from this ingress, their
@@ -487,6 +503,10 @@ class IngressCore:
     async def _sync_loop(self, period_s: float = 0.2) -> None:
         while True:
             await self.sync_index()
+            if self.autoscaling and self.cfg.ingress.warm_up and not self.colocated:
+                # replicas the autoscaler started are warmed before clients' requests reach
+                # them (the routers send to warm replicas first), without waiting for /health
+                self._start_warm_up(self._pairs_to_warm() or [])
             feed = self.index.feed  # memory backend: this ingress follows the replicas' events
             if feed is not None:
                 for rid, rf in list(feed.replicas.items()):
@@ -665,14 +685,22 @@ class IngressCore:
                 ("decode", self.decode),
             )
         )
+        at_zero = False
         for role, h in roles:
+            if self.autoscaling and not self.directories[role].snapshot():
+                # serverless: no replica runs (scaled to zero, or starting). Ready all the
+                # same: a request waits for the cold start. No probe either: a probe queued
+                # at the handle would start a replica, and the load balancer's probes would
+                # keep the pool from ever idling.
+                status[role], at_zero = "zero_replicas", True
+                continue
             try:
                 status[role] = bool(await asyncio.wait_for(h.ready.remote(), t))
             except Exception as e:  # not ready, or not reachable in time
                 status[role] = f"not ready: {type(e).__name__}"
-        ok = all(v is True for v in status.values())
+        ok = all(v is True or v == "zero_replicas" for v in status.values())
         body: dict[str, Any] = {"status": "ok" if ok else "starting", "engines": status}
-        if ok and self.cfg.ingress.warm_up and not self.colocated:
+        if ok and not at_zero and self.cfg.ingress.warm_up and not self.colocated:
             left = self._pairs_to_warm()
             if left is None or left:
                 self._start_warm_up(left or [])
@@ -792,6 +820,8 @@ class IngressCore:
             "deadline_exceeded": self.deadline_exceeded,
             "replica_retries": dict(self.replica_retries),
             "decode_local": self.decode_local,
+            "cold_start_waits": dict(self.cold_start_waits),
+            "cold_start_last_s": dict(self.cold_start_last_s),
             "warm_up": {
                 "pairs_warmed": sorted(f"{p}->{d}" for p, d in self._warm),
                 "failures": self.warm_up_failures,
@@ -829,7 +859,24 @@ class IngressCore:
                 "feeds": self.index.feed_stats(),
             },
             "ingress": ingress,
+            "autoscaling": await self._autoscaling_stats(),
         }
+
+    async def _autoscaling_stats(self) -> dict[str, Any] | None:
+        """The serverless autoscaler's last decisions for this app (with their reasons, the
+        demand they saw and the measured cold starts), as its policy published them."""
+        if not self.autoscaling:
+            return None
+        from deployments.autoscaling import read_decisions
+
+        roles = ("prefill",) if self.colocated else ("prefill", "decode")
+        app = await asyncio.to_thread(read_decisions, self.app_name)
+        if app is None:  # no application-level policy: each role's own
+            per_role = {
+                r: await asyncio.to_thread(read_decisions, f"{self.app_name}/{r}") for r in roles
+            }
+            return {"scope": "deployment", "roles": per_role}
+        return app
 
     async def explain(
         self, request: Request, body: CompletionRequest | ChatCompletionRequest
@@ -1265,10 +1312,12 @@ class IngressCore:
                     self._count_retry(prep, "prefill", e)
                     continue
                 raise _engine_error("prefill", prep, e) from None
-            prep.timing["prefill"] = time.monotonic() - t - pre.engine_s
+            cold = self._cold_wait(prep, "prefill", req.request_id)
+            prep.timing["prefill"] = time.monotonic() - t - pre.engine_s - cold
             set_attrs(
                 span,
                 {
+                    "cold_start_s": cold,
                     "replica": pre.replica_id,
                     "cached_tokens": pre.num_cached_tokens,
                     "engine_s": pre.engine_s,
@@ -1276,6 +1325,21 @@ class IngressCore:
                 },
             )
             return pre
+
+    def _cold_wait(self, prep: Prepared, role: str, engine_rid: str) -> float:
+        """Seconds ``prep``'s call to ``role`` waited at the handle for a replica (a cold
+        start: the role was at zero, or its replicas were gone), noted by the router; it goes
+        into the request's ``cold_start`` phase and ``pdserve_cold_start_wait_seconds``,
+        never into an error (0.0 when it did not wait)."""
+        dep = "prefill" if self.colocated else role
+        waited = self.waits[dep].pop(engine_rid)
+        if waited is None:
+            return 0.0
+        prep.timing["cold_start"] = prep.timing.get("cold_start", 0.0) + waited
+        self.cold_start_waits[role] += 1
+        self.cold_start_last_s[role] = waited
+        self.metrics.observe("pdserve_cold_start_wait_seconds", waited, role=role)
+        return waited
 
     def _count_retry(self, prep: Prepared, phase: str, e: BaseException) -> None:
         self.replica_retries[phase] += 1
@@ -1336,14 +1400,16 @@ class IngressCore:
                         continue
                     raise _engine_error("decode", prep, e) from None
                 prep.last_chunk_at = time.monotonic()
+                cold = 0.0
                 if prep.first_chunk_at is None:
                     prep.first_chunk_at = prep.last_chunk_at
                     if prep.local_cached is not None:  # this engine computed the prompt
                         prep.local_cached = ch.num_cached_tokens
                     span.add_event("first_token")
-                    set_attrs(span, {"replica": ch.replica_id})
+                    cold = self._cold_wait(prep, "decode", dreq.request_id)
+                    set_attrs(span, {"replica": ch.replica_id, "cold_start_s": cold})
                 n_out += len(ch.token_ids)
-                waited = prep.last_chunk_at - t - ch.engine_s
+                waited = prep.last_chunk_at - t - ch.engine_s - cold
                 prep.timing.setdefault("decode_first", waited)
                 prep.timing["decode"] = waited
                 if ch.finish_reason is not None and ch.finish_reason not in FINISH_REASONS:

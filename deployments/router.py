@@ -60,7 +60,7 @@ from controllers.routing import (
 )
 from deployments.config import AppRoutingConfig
 from deployments.protocol import EngineRequest
-from deployments.router_registry import counters_for, directory, routing_of
+from deployments.router_registry import counters_for, directory, handle_waits, routing_of
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +95,7 @@ class _Bookkeeping:
         self._cfg_version = 0
         dep = self._deployment_id
         self.directory = directory(dep.app_name, dep.name)
+        self.waits = handle_waits(dep.app_name, dep.name)
         self.counters = counters_for(dep.app_name, dep.name, self.cfg.policy)
         self._lock = threading.Lock()
         self.state = RouterState()
@@ -165,6 +166,22 @@ class _Bookkeeping:
             self.counters.count("wedged_replica_skipped")
         return ok or candidates
 
+    def _warm_first(self, candidates: list[RunningReplica]) -> list[RunningReplica]:
+        """The candidates whose report says ``warm`` (an engine call has completed there:
+        the ingress warms a new replica's pairs first) when there are any, else all: a
+        replica that has just started is sent clients' requests once it is warm, unless it
+        is the only one (scale from zero)."""
+        warm = [r for r in candidates if r.routing_stats.get("warm", True)]
+        if warm and len(warm) < len(candidates):
+            self.counters.count("cold_replica_skipped")
+            return warm
+        return candidates
+
+    def _note_wait(self, req: EngineRequest, pending: PendingRequest) -> None:
+        """How long ``req`` waited at the handle before this first decision (no replica to
+        place it on: a cold start), for the ingress's latency breakdown."""
+        self.waits.note(req.request_id, time.time() - pending.created_at)
+
     def _absorb_reports(self, candidates: list[RunningReplica], now: float) -> None:
         """Retire in-flight entries that a newer report from their replica covers."""
         ttl = self.cfg.inflight_ttl_s
@@ -233,6 +250,8 @@ class _PolicyRouter(_Bookkeeping, RequestRouter):
         key = pending_request.metadata.internal_request_id
         with self._lock:
             prior = self._decided.get(key)
+            if prior is None:
+                self._note_wait(req, pending_request)
             if prior is not None and prior in {r.replica_id.unique_id for r in candidate_replicas}:
                 return self._ranked(candidate_replicas, [prior])
             now = time.time()
@@ -264,6 +283,8 @@ class PrefillRouter(_PolicyRouter):
             if hint.pin in ids:
                 return [hint.pin], p
             self.counters.count("pinned_replica_gone")
+        candidates = self._warm_first(candidates)
+        ids = {r.replica_id.unique_id for r in candidates}
         if matches is not None:
             gone = {r: n for r, n in matches.items() if r not in ids}
             matches = {r: n for r, n in matches.items() if r in ids}
@@ -323,6 +344,7 @@ class DecodeRouter(_PolicyRouter):
             if pin in {r.replica_id.unique_id for r in candidates}:
                 return [pin], 1
             self.counters.count("pinned_replica_gone")
+        candidates = self._warm_first(candidates)
         loads = []
         for r in candidates:
             s = r.routing_stats
@@ -366,10 +388,15 @@ class ServeDefaultRouter(_Bookkeeping, PowerOfTwoChoicesRequestRouter):
         candidate_replicas: list[RunningReplica],
         pending_request: PendingRequest | None = None,
     ) -> list[list[RunningReplica]]:
-        if engine_request(pending_request) is not None:
+        req = engine_request(pending_request)
+        if req is not None:
             assert pending_request is not None
             with self._lock:
-                self._engine_calls.add(pending_request.metadata.internal_request_id)
+                key = pending_request.metadata.internal_request_id
+                if key not in self._engine_calls:
+                    self._note_wait(req, pending_request)
+                self._engine_calls.add(key)
+            candidate_replicas = self._warm_first(candidate_replicas)
         out: list[list[RunningReplica]] = await super().choose_replicas(
             candidate_replicas, pending_request
         )

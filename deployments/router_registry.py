@@ -134,3 +134,43 @@ def routing_of(app: str) -> tuple[int, dict[str, Any]]:
     """``(version, routing dict)`` last published for ``app`` (version 0: none)."""
     with _REGISTRY_LOCK:
         return _ROUTING.get(app, (0, {}))
+
+
+class HandleWaits:
+    """Engine request id -> seconds its call waited at the handle before a router could place
+    it (no replica running: a cold start, or every replica gone), noted by the router, taken by
+    the ingress for the request's latency breakdown (thread-safe, bounded)."""
+
+    #: waits shorter than this are not noted (a routing decision, not a cold start)
+    MIN_S = 0.25
+    #: entries kept for calls nobody takes (warm-up, health): oldest dropped first
+    MAX_KEPT = 10_000
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waits: dict[str, float] = {}
+
+    def note(self, request_id: str, waited_s: float) -> None:
+        if waited_s < self.MIN_S:
+            return
+        with self._lock:
+            self._waits.setdefault(request_id, waited_s)
+            while len(self._waits) > self.MAX_KEPT:
+                del self._waits[next(iter(self._waits))]
+
+    def pop(self, request_id: str) -> float | None:
+        with self._lock:
+            return self._waits.pop(request_id, None)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._waits)
+
+
+_WAITS: dict[tuple[str, str], HandleWaits] = {}
+
+
+def handle_waits(app: str, deployment: str) -> HandleWaits:
+    """The :class:`HandleWaits` of ``app``'s ``deployment`` in this process."""
+    with _REGISTRY_LOCK:
+        return _WAITS.setdefault((app, deployment), HandleWaits())

@@ -176,6 +176,10 @@ SERIES: dict[str, tuple[str, str, tuple[str, ...], list[float] | None]] = {
         "counter", "Requests sent again after their engine replica died before the client "
         "got anything, by phase (prefill, decode).", ("phase",), None,
     ),
+    "pdserve_cold_start_wait_seconds": (
+        "histogram", "Time a request waited at a role's handle for a replica to start "
+        "(serverless: the role was at zero), by role.", ("role",), LATENCY_S,
+    ),
     "pdserve_ttft_seconds": (
         "histogram", "Time to the first token, at the ingress.", ("tenant",), LATENCY_S,
     ),
