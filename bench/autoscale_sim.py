@@ -52,7 +52,8 @@ Policies (``POLICY_NAMES``); every autoscaled one starts from zero replicas:
   peak: the busiest ``peak_window_s`` (60 s) of prompt tokens per second over
   ``prefill_tokens_per_s * u``, and of decode window load (each request's
   ``prompt + output`` tokens over ``[arrival, arrival + output * itl]``) over
-  ``decode_window_tokens * u``, with ``u`` warm_pool's ``target_utilization`` (0.8), at
+  ``decode_window_tokens * u``, with ``u`` = ``always_on_utilization`` (0.8, the
+  AutoscaleConfig default; fixed, so tuning warm_pool does not move the reference), at
   least 1. It is the replica-seconds reference (``replica_seconds_ratio``).
 - ``serve_default``: Ray Serve 2.60's default request-based policy
   (``ray/serve/autoscaling_policy.py``), per role independently:
@@ -151,6 +152,9 @@ class SimParams(BaseModel):
     control_interval_s: float = Field(default=1.0, gt=0, description="Control period (s).")
     max_replicas: int = Field(default=32, ge=1, description="Most replicas per role.")
     peak_window_s: float = Field(default=60.0, gt=0, description="always_on's peak window.")
+    always_on_utilization: float = Field(
+        default=0.8, gt=0, le=1, description="always_on's sizing: share of capacity at peak."
+    )
 
     def standard_cold_start_s(self) -> float:
         if self.cold_start_s is not None:
@@ -633,9 +637,10 @@ def warm_pool_config(params: SimParams, **overrides: Any) -> AutoscaleConfig:
     return AutoscaleConfig.model_validate({**base, **overrides})
 
 
-def peak_sizing(wl: Workload, params: SimParams, utilization: float) -> dict[str, int]:
+def peak_sizing(wl: Workload, params: SimParams) -> dict[str, int]:
     """always_on's counts: the busiest ``peak_window_s`` of demand per role over a
-    replica's capacity at ``utilization`` (see the module docstring)."""
+    replica's capacity at ``always_on_utilization`` (see the module docstring)."""
+    utilization = params.always_on_utilization
     if not wl.requests:
         return {"prefill": 1, "decode": 1}
     arr = np.array([r.arrival_s for r in wl.requests])
@@ -1013,7 +1018,7 @@ def run_policies(
 ) -> tuple[dict[str, Any], dict[str, SimResult]]:
     """Every policy in ``names`` on ``wl``; results as JSON-able dicts (plus the raw runs).
     ``always_on`` is always simulated (the reference), reported only when asked for."""
-    sizing = always_on or peak_sizing(wl, params, cfg.target_utilization)
+    sizing = always_on or peak_sizing(wl, params)
     runs: dict[str, SimResult] = {}
     order = ["always_on"] + [n for n in names if n != "always_on"]
     for name in order:

@@ -171,7 +171,7 @@ def autoscale(
             )
         if not wl.requests:
             raise typer.BadParameter(f"no requests at load {x:g}", param_hint="--scenario")
-        counts = fixed or peak_sizing(wl, params, cfg.target_utilization)
+        counts = fixed or peak_sizing(wl, params)
         res, runs = run_policies(
             wl, names, params, cfg, always_on=counts, on_done=lambda: bar.update(1)
         )

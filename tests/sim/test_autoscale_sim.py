@@ -135,10 +135,14 @@ def test_serverlessllm_adds_and_removes_one_instance_per_loop() -> None:
 
 
 def test_always_on_peak_sizing_covers_the_busiest_minute() -> None:
-    # 60 s at 2 req/s of 3,000-token prompts = 6,000 tok/s -> 6000 / (4000 * 0.8) -> 2
-    reqs = tuple(SimRequest(t * 0.5, 3000, 10) for t in range(120))
+    # 60 s at 2 req/s of 1,800-token prompts = 3,600 tok/s -> 3600 / (4000 * 0.8) -> 2
+    reqs = tuple(SimRequest(t * 0.5, 1800, 10) for t in range(120))
     wl = Workload("flat", reqs, 300.0)
-    res, runs = run_policies(wl, ["always_on"], SimParams(), warm_pool_config(SimParams()))
+    _, runs = run_policies(wl, ["always_on"], SimParams(), warm_pool_config(SimParams()))
+    assert runs["always_on"].metrics["peak_replicas"]["prefill"] == 2
+    # the reference does not move with warm_pool's own utilisation target (1.0 would give 1)
+    tuned = warm_pool_config(SimParams(), target_utilization=1.0)
+    _, runs = run_policies(wl, ["always_on"], SimParams(), tuned)
     assert runs["always_on"].metrics["peak_replicas"]["prefill"] == 2
 
 
