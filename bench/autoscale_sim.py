@@ -1160,11 +1160,16 @@ def plot_pareto(
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FormatStrFormatter
 
     n = len(panels)
-    fig, axes = plt.subplots(1, n, figsize=(6.5 * n, 5), squeeze=False)
+    cols = min(3, n)
+    rows = math.ceil(n / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 5 * rows), squeeze=False)
+    for ax in axes.flat[n:]:
+        ax.set_visible(False)
     markers = {"always_on": "s", "serve_default": "^", "serverlessllm": "v", "warm_pool": "*"}
-    for ax, (label, points, baselines) in zip(axes[0], panels, strict=True):
+    for ax, (label, points, baselines) in zip(axes.flat, panels, strict=False):
         for pool in sorted({p["warm_pool"] for p in points}):
             pts = sorted(
                 (p for p in points if p["warm_pool"] == pool), key=lambda p: p["keep_alive_s"]
@@ -1186,7 +1191,11 @@ def plot_pareto(
         if goal is not None:
             ax.axvline(goal[0], ls="--", color="grey", lw=0.8)
             ax.axhline(goal[1], ls="--", color="grey", lw=0.8)
-        ax.set_xlabel("replica-seconds / always_on's")
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(FormatStrFormatter("%.2g"))
+        ax.xaxis.set_minor_formatter(FormatStrFormatter("%.2g"))
+        ax.tick_params(axis="x", which="minor", labelsize=7)
+        ax.set_xlabel("replica-seconds / always_on's (log)")
         ax.set_ylabel("cold-start fraction of requests")
         ax.set_title(f"{label} (simulated)")
         ax.legend(fontsize=7)
