@@ -15,6 +15,7 @@ import pdserve.cli  # noqa: F401  (registers the commands)
 from bench.autoscale_sim import (
     POLICY_NAMES,
     SCENARIOS,
+    SERVEGEN,
     AlwaysOn,
     ServeDefault,
     ServerlessLLM,
@@ -148,9 +149,7 @@ def test_always_on_peak_sizing_covers_the_busiest_minute() -> None:
 
 def test_servegen_scenarios_come_from_the_shipped_subset_and_follow_the_rates() -> None:
     spec = SCENARIOS["servegen-reason"]
-    windows = load_servegen_client(
-        Path("bench/data/servegen") / spec.directory / f"chunk-{spec.clients[0]}-trace.csv"
-    )
+    windows = load_servegen_client(SERVEGEN / spec.directory / f"chunk-{spec.clients[0]}-trace.csv")
     assert len(windows) == 144 and {w.family for w in windows} <= {"", "Gamma", "Weibull"}
     a = servegen_workload("servegen-reason", duration_s=1800.0, seed=1)
     b = servegen_workload("servegen-reason", duration_s=1800.0, seed=1)
