@@ -609,7 +609,8 @@ class WarmPool:
                 target=o.target,
                 handle_queued=float(o.handle_queued),
                 ongoing=float(o.ongoing),
-                queued_uncached_tokens=o.queued_tokens,
+                queued_uncached_tokens=o.queued_tokens if r == "prefill" else 0.0,
+                queued_window_tokens=o.queued_tokens if r == "decode" else 0.0,
                 uncached_tokens_total=o.tokens_total if r == "prefill" else None,
                 tokens_per_s=o.tokens_per_s,
                 token_load=o.token_load,
@@ -887,13 +888,16 @@ class _Sim:
                 arrivals=self.arrivals[role],
             )
         q = len(self.dq)
+        # requests waiting for a decode window: in the replicas' gates (their window tokens)
+        # while a replica runs, at the handle (a count) while none does
+        waiting = sum(self.reqs[i].prompt_tokens + self.reqs[i].output_tokens for i in self.dq)
         return RoleObs(
             running=len(running),
             starting=starting,
             target=self.target[role],
             handle_queued=0 if running else q,
             ongoing=q + sum(r.active for r in alive),
-            queued_tokens=0.0,
+            queued_tokens=float(waiting) if running else 0.0,
             tokens_total=0.0,
             tokens_per_s=None,
             token_load=sum(r.load for r in running),

@@ -20,9 +20,16 @@ by whatever arrives beyond the present replicas' capacity: ``G = max(0, lambda -
 A long cold start therefore scales up earlier and further; a short one waits for the
 backlog itself.
 
-**Decode** is sized by the TWP token window: ``need_d = ceil(token_load / (H u))`` with
-``token_load`` the replicas' summed TWP load and ``H`` their (mean) token window, and by KV:
-``ceil(used_kv_blocks / (blocks_per_replica * kv_target))``, whichever is larger.
+**Decode** is sized by the TWP token window: ``need_d = ceil((K + Q) / (H u))`` with ``K``
+the replicas' summed TWP token load, ``Q`` the window tokens of the requests waiting for
+admission (in the replicas, and ``expected_output_tokens`` per request waiting at the handle:
+admitted load alone can never pass the windows, so a full decode pool would never ask for
+more than one step up) and ``H`` their (mean) token window; and by KV:
+``ceil(used_kv_blocks / (blocks_per_replica * kv_target))``; whichever is larger.
+
+The inflow ``lambda`` is a moving average with time constant ``inflow_window_s`` (samples at
+least a second apart, weighted by ``1 - exp(-dt / window)``), so the sizing follows a load
+that lasts, not one second's count.
 
 Then, per role, in this order (each step names the reason when it sets the count):
 
@@ -133,8 +140,13 @@ class AutoscaleConfig(BaseModel):
     cold_start_s: float = Field(
         default=30.0, ge=0, description="Cold-start estimate until one is measured (s)."
     )
-    inflow_smoothing: float = Field(
-        default=0.3, gt=0, le=1, description="EMA weight of the newest inflow sample."
+    expected_output_tokens: int = Field(
+        default=256,
+        ge=1,
+        description="Window tokens counted per request waiting at the decode handle.",
+    )
+    inflow_window_s: float = Field(
+        default=15.0, gt=0, description="Time constant of the inflow's moving average (s)."
     )
 
 
@@ -158,6 +170,8 @@ class RoleDemand:
     """Prefill: measured throughput per replica (tokens/s), when known."""
     token_load: float = 0.0
     """Decode: summed TWP token load."""
+    queued_window_tokens: float = 0.0
+    """Decode: window tokens of the requests waiting in the replicas for admission."""
     window_tokens: float | None = None
     """Decode: the replicas' mean TWP window (tokens); ``None``: unpaced."""
     used_kv_blocks: float = 0.0
@@ -237,7 +251,8 @@ def decode_need(d: RoleDemand, cfg: AutoscaleConfig) -> float:
     """Replicas the decode demand needs (fractional): TWP window and KV, the larger."""
     by_window = 0.0
     if d.window_tokens is not None and d.window_tokens > 0:
-        by_window = d.token_load / (d.window_tokens * cfg.target_utilization)
+        waiting = d.queued_window_tokens + d.handle_queued * cfg.expected_output_tokens
+        by_window = (d.token_load + waiting) / (d.window_tokens * cfg.target_utilization)
     by_kv = 0.0
     if d.kv_blocks_per_replica:
         by_kv = d.used_kv_blocks / (d.kv_blocks_per_replica * cfg.kv_target)
@@ -257,14 +272,18 @@ def _observe_inflow(
     if last is not None:
         delta = total - last[1]
         if delta >= 0:  # a drop is a replica gone or restarted: start afresh
-            sample = delta / (now - last[0])
-            a = cfg.inflow_smoothing
-            rate = a * sample + (1 - a) * rate
+            dt = now - last[0]
+            a = 1.0 - math.exp(-dt / cfg.inflow_window_s)
+            rate = a * (delta / dt) + (1 - a) * rate
     return replace(state, inflow_tokens_per_s=rate, inflow_last=(now, float(total)))
 
 
 def _observe_cold_start(rs: RoleState, d: RoleDemand, now: float) -> RoleState:
-    """A raised target that the running count has reached is one measured cold start."""
+    """A raised target that the running count has reached is one measured cold start (from
+    when this policy raised it, or first saw it above the running count: Serve raises a
+    target at zero itself when a request waits)."""
+    if rs.raised_at is None and d.target > d.running:
+        rs = replace(rs, raised_at=now, raised_to=d.target)
     if rs.raised_at is not None and d.running >= rs.raised_to:
         starts = (*rs.cold_starts, now - rs.raised_at)[-COLD_START_SAMPLES:]
         return replace(rs, raised_at=None, raised_to=0, cold_starts=starts)

@@ -57,6 +57,18 @@ def test_a_long_cold_start_scales_prefill_up_earlier() -> None:
 def test_decode_need_takes_the_larger_of_window_and_kv() -> None:
     d = RoleDemand(running=1, target=1, token_load=1600, window_tokens=1000)
     assert decode_need(d, CFG) == pytest.approx(2.0)
+    # a full window with requests waiting for admission asks for what the waiting need too,
+    # not one step at a time (admitted load alone can never pass the windows)
+    full = RoleDemand(
+        running=1,
+        target=1,
+        token_load=1000,
+        window_tokens=1000,
+        queued_window_tokens=2000,
+        handle_queued=4,
+    )
+    cfg = CFG.model_copy(update={"expected_output_tokens": 250})
+    assert decode_need(full, cfg) == pytest.approx((1000 + 2000 + 1000) / 800)
     kv = RoleDemand(running=1, target=1, used_kv_blocks=2700, kv_blocks_per_replica=1000)
     assert decode_need(kv, CFG) == pytest.approx(3.0)
 
@@ -149,7 +161,7 @@ def test_a_measured_cold_start_replaces_the_estimate() -> None:
 
 
 def test_inflow_is_measured_from_cumulative_counts_and_a_drop_restarts_it() -> None:
-    cfg = CFG.model_copy(update={"inflow_smoothing": 1.0})
+    cfg = CFG.model_copy(update={"inflow_window_s": 1e-6})  # no smoothing: the last sample
     state = AutoscaleState()
     for t, total in ((0.0, 0), (1.0, 1500), (2.0, 3000)):
         d = RoleDemand(1, 1, ongoing=1, uncached_tokens_total=total, tokens_per_s=1000.0)
@@ -159,6 +171,21 @@ def test_inflow_is_measured_from_cumulative_counts_and_a_drop_restarts_it() -> N
     d = RoleDemand(1, 1, ongoing=1, uncached_tokens_total=10, tokens_per_s=1000.0)
     state, _ = decide(state, {"prefill": d, "decode": RoleDemand(1, 1)}, cfg, now=3.0)
     assert state.inflow_tokens_per_s == pytest.approx(1500.0)  # not a negative sample
+
+
+def test_the_inflow_average_follows_a_lasting_load_not_one_seconds_count() -> None:
+    cfg = CFG.model_copy(update={"inflow_window_s": 10.0})
+    state, total = AutoscaleState(), 0.0
+    for t in range(0, 61):  # 1,000 tokens/s for a minute, then one second of 20,000
+        d = RoleDemand(1, 1, ongoing=1, uncached_tokens_total=total)
+        state, _ = decide(state, {"prefill": d}, cfg, now=float(t), paired=False)
+        total += 1000
+    assert state.inflow_tokens_per_s == pytest.approx(1000.0, rel=0.01)
+    total += 19000
+    d = RoleDemand(1, 1, ongoing=1, uncached_tokens_total=total)
+    state, _ = decide(state, {"prefill": d}, cfg, now=61.0, paired=False)
+    # one second of a 20x spike moves the average by about 1/10 of the gap
+    assert 2500 < state.inflow_tokens_per_s < 3000
 
 
 def test_state_round_trips_through_json() -> None:
@@ -175,3 +202,13 @@ def test_bounds_are_validated_with_the_field_named() -> None:
         RoleBounds(min_replicas=0, max_replicas=2, initial_replicas=5)
     with pytest.raises(ValidationError, match="target_utilization"):
         AutoscaleConfig(target_utilization=0)
+
+
+def test_a_target_serve_raised_itself_is_timed_as_a_cold_start_too() -> None:
+    # Serve's own fast path raises a target at zero when a request waits, before the policy
+    starting = {"prefill": RoleDemand(0, 1, handle_queued=1, ongoing=1), "decode": idle(0, 1)}
+    state, _ = decide(AutoscaleState(), starting, CFG, now=100.0)
+    up = {"prefill": RoleDemand(1, 1, ongoing=1), "decode": RoleDemand(1, 1, ongoing=1)}
+    state, _ = decide(state, up, CFG, now=125.0)
+    assert state.role("prefill").cold_starts == (25.0,)
+    assert state.role("decode").cold_starts == (25.0,)
