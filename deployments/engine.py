@@ -986,6 +986,9 @@ class EngineReplica:
         if load.get("window_tokens") is not None:
             out["window_tokens"] = float(load["window_tokens"])
             out["token_load"] = float(load.get("token_load") or 0.0)
+            # requests the TWP gate holds, each at the routers' expected output
+            waiting = int(load.get("waiting") or 0)
+            out["queued_window_tokens"] = float(waiting * self.cfg.routing.expected_output_tokens)
         total = load.get("total_kv_blocks")
         if total:
             out["total_kv_blocks"] = float(total)
@@ -999,8 +1002,11 @@ class EngineReplica:
         before, its engine profile's rate at ``min(1024, max_model_len / 2)`` tokens (an idle
         engine's, measured on this hardware by ``pdserve profile``); ``None`` with neither."""
         done = self.prompt_tokens - self.cached_tokens
-        if self._busy_s >= MEASURED_AFTER_S and done > 0:
-            return done / self._busy_s
+        busy = self._busy_s
+        if self._prefills > 0:  # the busy period running now counts too
+            busy += time.monotonic() - self._busy_since
+        if busy >= MEASURED_AFTER_S and done > 0:
+            return done / busy
         if self._prefill_rate is None:
             profile = getattr(self.engine.scheduler, "profile", None)
             if profile is None:

@@ -441,6 +441,8 @@ class IngressCore:
         self.inflight_peak = 0
         #: the engines' completions per second (from their reports), for the wait bound
         self._completions = CompletionRate(window_s=20.0)
+        #: the engine replicas the rate was measured over
+        self._rate_replicas: frozenset[str] = frozenset()
         #: the last expected time in the system (s; Little's law), None while unknown
         self.expected_wait_s: float | None = None
         #: requests refused because the expected wait passed ingress.max_expected_wait_s
@@ -619,9 +621,15 @@ class IngressCore:
         decode = self.directories["decode"].snapshot()
         rows = {**self.directories["prefill"].snapshot(), **decode}  # an engine counted once
         done = decode or rows  # a request finishes on its decode engine
-        self._completions.add(
-            time.monotonic(), sum(int(r.get("requests_finished") or 0) for r in done.values())
-        )
+        now = time.monotonic()
+        replicas = frozenset(rows)
+        if replicas != self._rate_replicas:
+            # capacity changed (a replica started, left, or the pool came up from zero): the
+            # rate measured before says nothing of the new capacity, so it starts afresh (and
+            # is unknown, so nothing is refused, until it has been measured again)
+            self._rate_replicas = replicas
+            self._completions = CompletionRate(window_s=self._completions.window_s)
+        self._completions.add(now, sum(int(r.get("requests_finished") or 0) for r in done.values()))
         in_system = sum(
             int(r.get("waiting") or 0) + int(r.get("running") or 0) for r in rows.values()
         )

@@ -22,6 +22,13 @@ that replica's queue is full, then to the next).
 - :class:`ServeDefaultRouter`: Serve's power-of-two router unchanged (the plain baseline),
   with the same bookkeeping.
 
+Warm first (serverless): a replica whose report does not say ``warm`` (just started; the
+ingress sends it a warm-up request through each of its pairs first) gets clients' requests
+only when no warm replica is a candidate, counted as ``cold_replica_skipped``; pinned calls
+(the warm-up) reach it. The first decision on a call also notes how long it waited at the
+handle (no replica to take it: a cold start) for the ingress's latency breakdown
+(:class:`~deployments.router_registry.HandleWaits`).
+
 Every router keeps its deployment's :class:`~deployments.router_registry.ReplicaDirectory`
 (replica id -> last report) up to date, which is how the ingress learns where each prefill
 replica publishes its KV events, and counts what it routed and every fallback by name
@@ -171,7 +178,8 @@ class _Bookkeeping:
         the ingress warms a new replica's pairs first) when there are any, else all: a
         replica that has just started is sent clients' requests once it is warm, unless it
         is the only one (scale from zero)."""
-        warm = [r for r in candidates if r.routing_stats.get("warm", True)]
+        # a replica without a report yet (just started) is not counted warm
+        warm = [r for r in candidates if r.routing_stats.get("warm") is True]
         if warm and len(warm) < len(candidates):
             self.counters.count("cold_replica_skipped")
             return warm

@@ -870,6 +870,8 @@ def test_the_wait_bound_refuses_once_the_engines_hold_more_than_it_in_seconds(
 
     async def run() -> None:
         reports(40, 0)
+        core.check_wait()  # the first replica set: the rate is measured from here
+        core._completions = type(core._completions)(window_s=20.0)
         core._completions.add(time.monotonic() - 10, 0)  # 20 done in the last 10 s: 2/s
         reports(40, 20)
         core.check_wait()
@@ -879,5 +881,12 @@ def test_the_wait_bound_refuses_once_the_engines_hold_more_than_it_in_seconds(
             core.check_wait()
         assert e.value.status == 503 and e.value.headers == {"Retry-After": "10"}
         assert "79 requests in the engines" in str(e.value) and core.wait_refused == 1
+        # a replica joins (capacity changed): the old rate is dropped, nothing is refused
+        # until the new capacity's rate is measured
+        directory(app, "prefill").update(
+            {"p1": {"waiting": 39, "running": 0}, "p2": {"waiting": 0, "running": 0}}
+        )
+        core.check_wait()
+        assert core.expected_wait_s is None and core.wait_refused == 1
 
     asyncio.run(run())

@@ -318,3 +318,35 @@ def test_the_routers_tables_are_reported_and_empty_again_once_the_calls_complete
         r.on_request_completed(ReplicaID(rid, r._deployment_id), p.metadata.internal_request_id)
     idle = router_stats(app, "prefill")["tables"]
     assert idle == {k: 0 for k in busy} | {"routers": 1}
+
+
+def test_a_cold_replica_gets_clients_only_once_warm_but_takes_its_pinned_warm_up() -> None:
+    from deployments.router_registry import handle_waits
+
+    r = make(PrefillRouter, "prefill")
+    old = replicas(r, "old", warm=True, ts=time.time())[0]
+    new = replicas(r, "new", ts=time.time())[0]  # no report yet: not counted warm
+    # the policy would pick the new one (it holds the prefix, and has no load) ...
+    for _ in range(3):
+        assert choose(r, [old, new], pending(prefill_req(1000, {"new": 896})))[0] == ["old"]
+    assert (
+        router_stats(r._deployment_id.app_name, "prefill")["fallbacks"]["cold_replica_skipped"] == 3
+    )
+    # ... but the ingress's pinned warm-up reaches it
+    assert choose(r, [old, new], pending(prefill_req(256, None, pin="new")))[0] == ["new"]
+    new.routing_stats = {"warm": True, "ts": time.time()}
+    assert choose(r, [old, new], pending(prefill_req(1000, {"new": 896})))[0] == ["new"]
+    # the only replica is taken warm or not (scale from zero)
+    new.routing_stats = {"warm": False}
+    assert choose(r, [new], pending(prefill_req(1000, {})))[0] == ["new"]
+    # a call that waited at the handle (no replica) is noted for the ingress
+    p = pending(EngineRequest("late", (1, 2), Sampling(max_tokens=1), route=RouteHint(2, {}, 1)))
+    p.created_at -= 5.0
+    choose(r, [old], p)
+    waited = handle_waits(r._deployment_id.app_name, "prefill").pop("late")
+    assert waited is not None and waited >= 5.0
+    d = make(DecodeRouter, "decode")
+    dold = replicas(d, "dold", warm=True)[0]
+    dnew = replicas(d, "dnew", warm=False)[0]
+    dreq = EngineRequest("y", (1, 2, 3), Sampling(max_tokens=4))
+    assert choose(d, [dnew, dold], pending(dreq))[0] == ["dold"]
