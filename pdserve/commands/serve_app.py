@@ -230,6 +230,31 @@ def bench_warm_start(
     write_json(json_out, res)
 
 
+@bench_app.command("cold-start")
+def bench_cold_start(
+    config: Path = typer.Option(
+        Path("configs/pd_autoscale.yaml"), help="Serve YAML of the serverless application."
+    ),
+    presets: str = typer.Option("test,bench", help="Model presets, comma-separated."),
+    warm_requests: int = typer.Option(5, min=1, help="Requests on the warm pair after."),
+    json_out: Path | None = typer.Option(None, "--json", help="Write the results as JSON here."),
+) -> None:
+    """Cold starts from zero replicas per model preset: the first request's TTFT, the seconds
+    it waited for each role's replica to start, against warm requests (brings the app up and
+    down once per preset; nothing else may run on port 8000)."""
+    from bench.cold_start import run, table
+    from pdserve.output import write_json
+
+    if not config.exists():
+        raise typer.BadParameter(f"{config} does not exist", param_hint="--config")
+    names = [p.strip() for p in presets.split(",") if p.strip()]
+    if not names:
+        raise typer.BadParameter("no preset given", param_hint="--presets")
+    res = run(config, names, warm_requests=warm_requests)
+    typer.echo(table(res))
+    write_json(json_out, res)
+
+
 @bench_app.command("serve")
 def bench_serve(
     config: Path = typer.Option(DEFAULT_CONFIG, help="Serve YAML of the PD application."),
