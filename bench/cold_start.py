@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -21,24 +20,7 @@ import httpx
 import yaml
 from tqdm import tqdm
 
-from bench.warm_start import pdserve_cli
-
-
-def _ttft(url: str, model: str, i: int, words: int) -> float:
-    body = {
-        "model": model,
-        "prompt": " ".join(f"cold{i}x{k}" for k in range(words)),
-        "max_tokens": 4,
-        "ignore_eos": True,
-        "stream": True,
-    }
-    t0 = time.monotonic()
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=900) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if line.startswith("data: ") and '"text"' in line:
-                return time.monotonic() - t0
-    raise RuntimeError("the stream ended without a token")
+from bench.warm_start import pdserve_cli, ttft
 
 
 def run(
@@ -70,10 +52,12 @@ def run(
             path.write_text(yaml.safe_dump(raw))
             pdserve_cli("up", "--config", str(path))
             try:
-                cold = _ttft(url, preset, 0, words)
+                cold = ttft(url, preset, 0, words, 4, tag="cold")
                 ing = httpx.get(f"{url}/v1/pdserve/stats", timeout=60).json()["ingress"]
                 waits = ing["cold_start_last_s"]
-                warm = [_ttft(url, preset, i + 1, words) for i in range(warm_requests)]
+                warm = [
+                    ttft(url, preset, i + 1, words, 4, tag="cold") for i in range(warm_requests)
+                ]
             finally:
                 pdserve_cli("down")
             med = statistics.median(warm)

@@ -29,16 +29,18 @@ def pdserve_cli(*args: str) -> None:
     subprocess.run([sys.executable, "-m", "pdserve", *args], check=True, timeout=900)
 
 
-def _ttft(url: str, model: str, i: int, words: int, max_tokens: int) -> float:
+def ttft(url: str, model: str, i: int, words: int, max_tokens: int, tag: str = "warm") -> float:
+    """One streamed request of ``words`` distinct words (``tag`` and ``i`` make them unique):
+    seconds to its first token."""
     body = {
         "model": model,
-        "prompt": " ".join(f"warm{i}x{k}" for k in range(words)),
+        "prompt": " ".join(f"{tag}{i}x{k}" for k in range(words)),
         "max_tokens": max_tokens,
         "ignore_eos": True,
         "stream": True,
     }
     t0 = time.monotonic()
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=300) as r:
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=900) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if line.startswith("data: ") and '"text"' in line:
@@ -63,17 +65,17 @@ def run(config: Path, requests: int = 10, words: int = 300, max_tokens: int = 8)
             pdserve_cli("up", "--config", str(path))
             ready_s = time.monotonic() - t0
             try:
-                ttft = []
+                times = []
                 for i in tqdm(range(requests), desc=variant, unit="req"):
-                    ttft.append(_ttft(url, served, i, words, max_tokens))
+                    times.append(ttft(url, served, i, words, max_tokens))
             finally:
                 pdserve_cli("down")
-            rest = statistics.median(ttft[1:])
+            rest = statistics.median(times[1:])
             out[variant] = {
                 "ready_s": round(ready_s, 2),
-                "ttft_s": [round(x, 4) for x in ttft],
+                "ttft_s": [round(x, 4) for x in times],
                 "rest_ttft_s": round(rest, 4),
-                "first_over_rest": round(ttft[0] / rest, 2),
+                "first_over_rest": round(times[0] / rest, 2),
             }
     out["model"] = served
     return out

@@ -505,9 +505,10 @@ class IngressCore:
     async def _sync_loop(self, period_s: float = 0.2) -> None:
         while True:
             await self.sync_index()
-            if self.autoscaling and self.cfg.ingress.warm_up and not self.colocated:
-                # replicas the autoscaler started are warmed before clients' requests reach
-                # them (the routers send to warm replicas first), without waiting for /health
+            if self.cfg.ingress.warm_up and not self.colocated:
+                # replicas that joined (the autoscaler's, or Serve's replacement of a dead
+                # one) are warmed before clients' requests reach them (the routers send to
+                # warm replicas first), without waiting for a /health probe
                 self._start_warm_up(self._pairs_to_warm() or [])
             feed = self.index.feed  # memory backend: this ingress follows the replicas' events
             if feed is not None:
@@ -1374,6 +1375,7 @@ class IngressCore:
         deadline = now + min(left, self.cfg.ingress.engine_timeout_s)
         done = False
         attempt = 0
+        cold = 0.0  # seconds the call waited for a decode replica to start
         try:
             while True:
                 try:
@@ -1408,7 +1410,6 @@ class IngressCore:
                         continue
                     raise _engine_error("decode", prep, e) from None
                 prep.last_chunk_at = time.monotonic()
-                cold = 0.0
                 if prep.first_chunk_at is None:
                     prep.first_chunk_at = prep.last_chunk_at
                     if prep.local_cached is not None:  # this engine computed the prompt
@@ -1417,7 +1418,7 @@ class IngressCore:
                     cold = self._cold_wait(prep, "decode", dreq.request_id)
                     set_attrs(span, {"replica": ch.replica_id, "cold_start_s": cold})
                 n_out += len(ch.token_ids)
-                waited = prep.last_chunk_at - t - ch.engine_s - cold
+                waited = prep.last_chunk_at - t - ch.engine_s - cold  # outside the engine
                 prep.timing.setdefault("decode_first", waited)
                 prep.timing["decode"] = waited
                 if ch.finish_reason is not None and ch.finish_reason not in FINISH_REASONS:
