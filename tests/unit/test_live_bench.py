@@ -1,0 +1,99 @@
+"""The live replayer's workloads, shaping and summary (bench.live); the replay itself runs
+against the live app in tests/e2e/test_pd_app.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.live import (
+    LiveRequest,
+    LiveResult,
+    scenario_requests,
+    shape,
+    summarize,
+    trace_requests,
+    write_report,
+)
+from bench.traces import TraceRequest
+
+VOCAB = 1000
+
+
+def test_mooncake_hash_ids_become_shared_runs_of_512_tokens() -> None:
+    a, b, c = trace_requests(
+        [
+            TraceRequest(0.0, 1200, 4, (7, 8, 9)),
+            TraceRequest(1.0, 1100, 4, (7, 8, 5)),
+            TraceRequest(2.0, 600, 4, (6, 8)),
+        ],
+        VOCAB,
+    )
+    assert (len(a.ids), len(b.ids), len(c.ids)) == (1200, 1100, 600)
+    assert a.ids[:1024] == b.ids[:1024]  # blocks 7 and 8 shared
+    assert a.ids[1024:1100] != b.ids[1024:1100]  # block 9 against block 5
+    assert a.ids[512:1024] != c.ids[512:1024] or a.ids[:512] != c.ids[:512]
+    assert c.ids[:512] != a.ids[:512]  # another first block: no shared prefix
+    # the same trace gives the same prompts (seeded); another seed other ones
+    assert trace_requests([TraceRequest(0.0, 600, 4, (7, 8))], VOCAB)[0].ids == a.ids[:600]
+    assert trace_requests([TraceRequest(0.0, 600, 4, (7, 8))], VOCAB, seed=1)[0].ids != a.ids[:600]
+    assert all(10 <= t < VOCAB for t in a.ids)
+
+
+def test_azure_records_share_nothing() -> None:
+    a, b = trace_requests([TraceRequest(0.0, 300, 5), TraceRequest(0.5, 300, 5)], VOCAB)
+    assert a.ids[:16] != b.ids[:16] and a.max_tokens == 5
+
+
+def test_shaping_keeps_prefixes_and_counts_cuts() -> None:
+    reqs = [LiveRequest(10.0 + i, tuple(range(100 + i, 400 + i)), 40) for i in range(4)]
+    out, cut = shape(reqs, limit=3, time_scale=2.0, length_scale=0.5, max_prompt_tokens=140)
+    assert [r.at_s for r in out] == [0.0, 2.0, 4.0]
+    assert [len(r.ids) for r in out] == [140, 140, 140] and cut == 3
+    assert out[1].ids == reqs[1].ids[:140] and out[0].max_tokens == 20
+    a, _ = shape(reqs, rate=5.0, seed=3)
+    b, _ = shape(reqs, rate=5.0, seed=3)
+    assert (
+        a == b and a[0].at_s == 0.0 and all(x.at_s < y.at_s for x, y in zip(a, a[1:], strict=False))
+    )
+    for bad in ({"time_scale": 0.0}, {"length_scale": -1.0}, {"rate": 0.0}):
+        with pytest.raises(ValueError):
+            shape(reqs, **bad)  # type: ignore[arg-type]
+
+
+def test_scenarios_keep_shared_documents_shared() -> None:
+    rag = scenario_requests("rag", VOCAB, max_tokens=8)
+    by_doc: dict[str, list[LiveRequest]] = {}
+    for r in rag:
+        by_doc.setdefault(r.label, []).append(r)
+    doc, same = max(by_doc.items(), key=lambda kv: len(kv[1]))
+    assert len(same) > 1 and same[0].ids[:1536] == same[1].ids[:1536]  # 12 blocks of 128
+    assert same[0].ids[-96:] != same[1].ids[-96:]  # each its own question
+    sec = scenario_requests("sec-spike", VOCAB, quick=True)
+    assert len(sec) > 10 and all(r.max_tokens == 16 for r in sec)
+    firsts = {r.ids[:128] for r in sec}
+    assert len(firsts) < len(sec)  # the shared system prompt and excerpts are shared ids
+    with pytest.raises(ValueError, match="unknown scenario 'nope'.*rag"):
+        scenario_requests("nope", VOCAB)
+
+
+def test_summary_follows_the_schema_and_the_report_is_written(tmp_path: Path) -> None:
+    results = [
+        LiveResult(0.0, True, 0.1, 0.5, [0.02, 0.04], 100, 50, 3),
+        LiveResult(0.5, True, 0.3, 0.9, [0.02, 0.02], 100, 0, 3),
+        LiveResult(1.0, False, error="HTTP 503: overloaded"),
+    ]
+    s = summarize("http://x", results, wall_s=2.0)
+    assert (s["requests"], s["errors"], s["error_kinds"]) == (3, 1, {"HTTP 503": 1})
+    assert s["ttft"]["p50"] == 0.1 and s["ttft"]["p99"] == 0.3
+    assert s["ttft"]["mean"] == pytest.approx(0.2)
+    assert s["itl"]["mean"] == pytest.approx(0.025) and s["itl"]["p99"] == 0.04
+    assert s["itl"]["cv"] == pytest.approx(0.000075**0.5 / 0.025)  # pstdev / mean
+    assert s["throughput_tps"] == 3.0 and s["cached_token_ratio"] == 0.25
+    assert set(s["e2e"]) == {"p50", "p90", "p99", "mean"}
+    json.dumps(s)
+    files = write_report(tmp_path, s, results)
+    assert {f.name for f in files} == {"ttft_cdf.png", "ttft_over_time.png", "itl.png", "report.md"}
+    assert "| TTFT s | 0.100 |" in (tmp_path / "report.md").read_text()
