@@ -229,13 +229,18 @@ async def _one(
                     return res
                 now = time.monotonic()
                 choices = obj.get("choices") or []
-                if choices and (choices[0].get("text") or choices[0].get("token_ids")):
-                    n = max(1, len(choices[0].get("token_ids") or []) or 1)
+                if choices:
+                    # the first chunk with a choice carries the first token (its text may be
+                    # empty: a token that decodes to nothing yet); later ones count when
+                    # they carry text or token ids
+                    c = choices[0]
+                    n = max(1, len(c.get("token_ids") or []))
                     if last is None:
                         res.ttft_s = now - sent
-                    else:
+                        last = now
+                    elif c.get("text") or c.get("token_ids"):
                         res.itl_s += [(now - last) / n] * n
-                    last = now
+                        last = now
                 use = obj.get("usage")
                 if use:
                     res.prompt_tokens = int(use.get("prompt_tokens") or 0)
