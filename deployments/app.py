@@ -112,7 +112,8 @@ def request_router_config(cfg: AppConfig, role: Role) -> RequestRouterConfig:
 
     routing = cfg.routing.model_dump(mode="json")
     cls: type = ServeDefaultRouter
-    kwargs: dict[str, Any] = {"routing": routing}
+    # warm first: the autoscaler adds replicas under traffic (deployments.router)
+    kwargs: dict[str, Any] = {"routing": routing, "warm_first": cfg.autoscaling.enabled}
     if cfg.routing.policy != "serve_default":
         cls = PrefillRouter if role == "prefill" else DecodeRouter
         kwargs["block_size"] = cfg.hashing.block_size

@@ -22,10 +22,12 @@ that replica's queue is full, then to the next).
 - :class:`ServeDefaultRouter`: Serve's power-of-two router unchanged (the plain baseline),
   with the same bookkeeping.
 
-Warm first (serverless): a replica whose report does not say ``warm`` (just started; the
-ingress sends it a warm-up request through each of its pairs first) gets clients' requests
-only when no warm replica is a candidate, counted as ``cold_replica_skipped``; pinned calls
-(the warm-up) reach it. The first decision on a call also notes how long it waited at the
+Warm first (serverless, with ``autoscaling.enabled``): a replica whose report does not say
+``warm`` (just started; the ingress sends it a warm-up request through each of its pairs
+first) gets clients' requests only when no warm replica is a candidate, counted as
+``cold_replica_skipped``; pinned calls (the warm-up) reach it. Off for a fixed replica count:
+a report polled before a replica's first request still says cold, and with two ingress
+replicas that sent the holder of a prefix's next request elsewhere. The first decision on a call also notes how long it waited at the
 handle (no replica to take it: a cold start) for the ingress's latency breakdown
 (:class:`~deployments.router_registry.HandleWaits`).
 
@@ -97,8 +99,9 @@ class _Bookkeeping:
     role: str = ""
     _deployment_id: Any
 
-    def _init_bookkeeping(self, routing: dict[str, Any]) -> None:
+    def _init_bookkeeping(self, routing: dict[str, Any], warm_first: bool = False) -> None:
         self.cfg = AppRoutingConfig.model_validate(routing)
+        self.warm_first = warm_first
         self._cfg_version = 0
         dep = self._deployment_id
         self.directory = directory(dep.app_name, dep.name)
@@ -178,6 +181,8 @@ class _Bookkeeping:
         the ingress warms a new replica's pairs first) when there are any, else all: a
         replica that has just started is sent clients' requests once it is warm, unless it
         is the only one (scale from zero)."""
+        if not self.warm_first:
+            return candidates
         # a replica without a report yet (just started) is not counted warm
         warm = [r for r in candidates if r.routing_stats.get("warm") is True]
         if warm and len(warm) < len(candidates):
@@ -230,9 +235,13 @@ class _PolicyRouter(_Bookkeeping, RequestRouter):
     other calls (ready, stats) go to Serve's queue-length choice."""
 
     def initialize_state(
-        self, routing: dict[str, Any] | None = None, block_size: int = 128, **_: Any
+        self,
+        routing: dict[str, Any] | None = None,
+        block_size: int = 128,
+        warm_first: bool = False,
+        **_: Any,
     ) -> None:
-        self._init_bookkeeping(routing or {})
+        self._init_bookkeeping(routing or {}, warm_first)
         self.block_size = block_size
 
     def _routes(self, req: EngineRequest) -> bool:
@@ -387,8 +396,10 @@ class ServeDefaultRouter(_Bookkeeping, PowerOfTwoChoicesRequestRouter):
     """Serve's power-of-two router, unchanged (the plain baseline), with the directory and
     counters kept; ``routed`` is counted when a call completes (the choice is Serve's)."""
 
-    def initialize_state(self, routing: dict[str, Any] | None = None, **_: Any) -> None:
-        self._init_bookkeeping(routing or {})
+    def initialize_state(
+        self, routing: dict[str, Any] | None = None, warm_first: bool = False, **_: Any
+    ) -> None:
+        self._init_bookkeeping(routing or {}, warm_first)
         self._engine_calls: set[str] = set()
 
     async def choose_replicas(

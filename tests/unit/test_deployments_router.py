@@ -44,12 +44,12 @@ class Replica:
         return ReplicaID(self.unique_id, DeploymentID(self.deployment, self.app))
 
 
-def make(cls: type, deployment: str, **routing: Any) -> Any:
+def make(cls: type, deployment: str, warm_first: bool = False, **routing: Any) -> Any:
     app = f"test-app-{next(_apps)}"
     r = cls(
         deployment_id=DeploymentID(deployment, app), handle_source=DeploymentHandleSource.UNKNOWN
     )
-    r.initialize_state(routing={"policy": "prefix_load", **routing})
+    r.initialize_state(routing={"policy": "prefix_load", **routing}, warm_first=warm_first)
     return r
 
 
@@ -323,7 +323,10 @@ def test_the_routers_tables_are_reported_and_empty_again_once_the_calls_complete
 def test_a_cold_replica_gets_clients_only_once_warm_but_takes_its_pinned_warm_up() -> None:
     from deployments.router_registry import handle_waits
 
-    r = make(PrefillRouter, "prefill")
+    off = make(PrefillRouter, "prefill")  # a fixed replica count: no warm-first
+    pair = [*replicas(off, "old", warm=True), *replicas(off, "new")]
+    assert choose(off, pair, pending(prefill_req(1000, {"new": 896})))[0] == ["new"]
+    r = make(PrefillRouter, "prefill", warm_first=True)
     old = replicas(r, "old", warm=True, ts=time.time())[0]
     new = replicas(r, "new", ts=time.time())[0]  # no report yet: not counted warm
     # the policy would pick the new one (it holds the prefix, and has no load) ...
@@ -345,7 +348,7 @@ def test_a_cold_replica_gets_clients_only_once_warm_but_takes_its_pinned_warm_up
     choose(r, [old], p)
     waited = handle_waits(r._deployment_id.app_name, "prefill").pop("late")
     assert waited is not None and waited >= 5.0
-    d = make(DecodeRouter, "decode")
+    d = make(DecodeRouter, "decode", warm_first=True)
     dold = replicas(d, "dold", warm=True)[0]
     dnew = replicas(d, "dnew", warm=False)[0]
     dreq = EngineRequest("y", (1, 2, 3), Sampling(max_tokens=4))
