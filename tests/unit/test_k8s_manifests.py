@@ -24,7 +24,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "k8s"
-OVERLAYS = ("cpu-tiny", "gpu")
+OVERLAYS = ("cpu-tiny", "gpu", "serverless")
 K8S_VERSION = "1.37.0"
 ROLES = ("prefill", "decode")
 
@@ -189,7 +189,8 @@ def test_each_role_is_pinned_to_its_own_worker_group(overlay: str) -> None:
         (res,) = opts["resources"]
         owners = [name for name, grp in g.items() if res in ray_resources(grp)]
         assert owners == [role], f"{role}'s {res} is advertised by {owners}"
-        assert g[role]["maxReplicas"] > g[role]["minReplicas"] >= 1  # Ray autoscaling
+        floor = 0 if cfg.autoscaling.enabled else 1  # serverless: pods go to zero too
+        assert g[role]["maxReplicas"] > g[role]["minReplicas"] == floor  # Ray autoscaling
         # the group's pods can hold at least one replica
         assert float(g[role]["rayStartParams"]["num-cpus"]) >= e.num_cpus
         assert ray_resources(g[role])[res] >= e.resources[res]
@@ -274,6 +275,21 @@ def test_the_service_monitor_scrapes_every_pods_metrics_port(overlay: str) -> No
         assert grp["rayStartParams"]["metrics-export-port"] == str(port["port"])
         names = {p["name"] for p in tmpl["spec"]["containers"][0]["ports"]}
         assert port["targetPort"] in names, name
+
+
+def test_serverless_overlay_scales_both_roles_and_their_pods_to_zero_together() -> None:
+    from deployments.autoscaling import APP_POLICY
+
+    (app,) = serve_config("serverless")["applications"]
+    assert app["autoscaling_policy"]["policy_function"] == APP_POLICY  # pairs the roles
+    cfg, g = app_config("serverless"), groups("serverless")
+    assert cfg.autoscaling.enabled
+    for role in ROLES:
+        bounds = getattr(cfg.autoscaling, role)
+        assert bounds.min_replicas == 0 and bounds.initial() == 0
+        # one replica per pod (its custom resource): the group can hold the most replicas
+        assert bounds.max_replicas <= g[role]["maxReplicas"]
+        assert g[role]["minReplicas"] == 0 and g[role]["replicas"] == 0
 
 
 def test_strict_validation_catches_unknown_and_missing_fields() -> None:
