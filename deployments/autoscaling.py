@@ -119,7 +119,7 @@ def role_demand(ctx: Any) -> RoleDemand:
         return [
             float(v)
             for r, v in per.items()
-            if (getattr(r, "unique_id", r) in running or not running) and v is not None
+            if getattr(r, "unique_id", r) in running and v is not None  # stopped: not counted
         ]
 
     def total(name: str) -> float:
