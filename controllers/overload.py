@@ -8,9 +8,8 @@ the cluster config: with the count bounds alone, requests queued until the engin
 
     W = L / lambda
 
-``L``: requests in the system now: the larger of what the replicas report (waiting or
-running, prefill and decode) and the ingress's own requests between admission and the end of
-their decode stream (which also counts those queued at Serve's handles, in no engine yet); ``lambda``: requests the engines completed per second over the last
+``L``: requests in the engines now (waiting or running, prefill and decode, from the
+replicas' reports); ``lambda``: requests the engines completed per second over the last
 ``window_s`` (from the same reports' cumulative counts). When ``W`` passes
 ``max_expected_wait_s`` a new request is refused at once with 503 and ``Retry-After`` (about
 the time the excess takes to drain). With no completions in the window (start-up, idle) the

@@ -349,8 +349,8 @@ class IngressConfig(_Strict):
         default=30.0,
         ge=0,
         le=3600,
-        description="Overload bound in seconds: when the requests in the system (the "
-        "replicas' reports, or the ingress's own admitted ones when more) over the engines' completion rate (last "
+        description="Overload bound in seconds: when the requests in the engines (waiting "
+        "or running, from the replicas' reports) over the engines' completion rate (last "
         "20 s) pass it, a new request gets 503 with Retry-After at once (Little's law; "
         "controllers/overload.py). 0: off. Unlike the count bounds it sees the decode side "
         "and does not depend on the model's speed.",

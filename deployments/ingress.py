@@ -441,10 +441,6 @@ class IngressCore:
         self.inflight_peak = 0
         #: the engines' completions per second (from their reports), for the wait bound
         self._completions = CompletionRate(window_s=20.0)
-        #: this ingress's requests between admission and the end of their decode stream
-        #: (decode streams running now, and the last count the wait bound took)
-        self._decoding = 0
-        self.in_system_own = 0
         #: the engine replicas the rate was measured over
         self._rate_replicas: frozenset[str] = frozenset()
         #: the last expected time in the system (s; Little's law), None while unknown
@@ -617,10 +613,9 @@ class IngressCore:
 
     def check_wait(self) -> None:
         """Overload control in seconds (:mod:`controllers.overload`): refuse with 503 and
-        ``Retry-After`` when the requests in the system over the engines' completion rate
-        pass ``ingress.max_expected_wait_s``. In the system: the larger of what the replicas
-        report (waiting or running) and this ingress's own requests between admission and
-        the end of their decode stream, which also sees those queued at Serve's handles."""
+        ``Retry-After`` when the requests in the engines (waiting or running, from the
+        replicas' reports) over the engines' completion rate pass
+        ``ingress.max_expected_wait_s``."""
         bound = self.cfg.ingress.max_expected_wait_s
         if not bound:
             return
@@ -639,11 +634,6 @@ class IngressCore:
         in_system = sum(
             int(r.get("waiting") or 0) + int(r.get("running") or 0) for r in rows.values()
         )
-        # requests queued at Serve's handles (a replica at max_ongoing_requests) are in no
-        # engine's report, but they are in this ingress's own count: the larger one counts
-        own = self._inflight_prefill + (0 if self.colocated else self._decoding)
-        self.in_system_own = own
-        in_system = max(in_system, own)
         wait = expected_wait_s(in_system, self._completions.rate())
         self.expected_wait_s = wait
         retry = refuse_for(wait, bound)
@@ -651,7 +641,9 @@ class IngressCore:
             return
         assert wait is not None
         self.wait_refused += 1
-        what = f"{in_system} requests in the system, about {wait:.0f} s of work (bound {bound:g} s)"
+        what = (
+            f"{in_system} requests in the engines, about {wait:.0f} s of work (bound {bound:g} s)"
+        )
         raise self._overload_error(what, retry)
 
     def _overload_error(self, what: str, retry_after_s: int) -> RequestError:
@@ -833,8 +825,6 @@ class IngressCore:
                 "overload_refused": self.overload_refused,
                 "wait_refused": self.wait_refused,
                 "expected_wait_s": self.expected_wait_s,
-                "decoding": self._decoding,
-                "in_system_own": self.in_system_own,
             },
             "deadline_exceeded": self.deadline_exceeded,
             "replica_retries": dict(self.replica_retries),
@@ -1387,7 +1377,6 @@ class IngressCore:
         attempt = 0
         cold = 0.0  # seconds the call waited for a decode replica to start
         try:
-            self._decoding += 1  # in this ingress's own count of requests in the system
             while True:
                 try:
                     async with asyncio.timeout_at(deadline):
@@ -1436,7 +1425,6 @@ class IngressCore:
                     raise RequestError(f"decode ended with {ch.finish_reason!r}", None, status=502)
                 yield ch
         finally:
-            self._decoding -= 1
             set_attrs(span, {"completion_tokens": n_out, "finished": done})
             span.end()
             self._release_slot(prep)  # colocated: its slot lasted the stream
