@@ -27,9 +27,9 @@ Warm first (serverless, with ``autoscaling.enabled``): a replica whose report do
 first) gets clients' requests only when no warm replica is a candidate, counted as
 ``cold_replica_skipped``; pinned calls (the warm-up) reach it. Off for a fixed replica count:
 a report polled before a replica's first request still says cold, and with two ingress
-replicas that sent the holder of a prefix's next request elsewhere. The first decision on a call also notes how long it waited at the
-handle (no replica to take it: a cold start) for the ingress's latency breakdown
-(:class:`~deployments.router_registry.HandleWaits`).
+replicas that sent the holder of a prefix's next request elsewhere. The first decision on a
+call also notes how long it waited at the handle (no replica to take it: a cold start) for
+the ingress's latency breakdown (:class:`~deployments.router_registry.HandleWaits`).
 
 Every router keeps its deployment's :class:`~deployments.router_registry.ReplicaDirectory`
 (replica id -> last report) up to date, which is how the ingress learns where each prefill
