@@ -208,7 +208,6 @@ class AutoscaleState:
     inflow_tokens_per_s: float = 0.0
     inflow_last: tuple[float, float] | None = None
     roles: dict[str, RoleState] = field(default_factory=dict)
-    decisions: int = 0
 
     def role(self, name: str) -> RoleState:
         return self.roles.get(name, RoleState())
@@ -235,7 +234,6 @@ class AutoscaleState:
             inflow_tokens_per_s=float(d.get("inflow_tokens_per_s", 0.0)),
             inflow_last=None if last is None else (float(last[0]), float(last[1])),
             roles=roles,
-            decisions=int(d.get("decisions", 0)),
         )
 
 
@@ -343,12 +341,11 @@ def decide(
         if idle and not active_now:
             want, reason = 0, "idle_to_zero"
         else:
-            want = math.ceil(need - 1e-9) + cfg.warm_pool
+            needed = math.ceil(need - 1e-9)
+            want = needed + cfg.warm_pool
             if d.ongoing > 0 or d.handle_queued > 0:
                 want = max(want, 1)
-            reason = (
-                "demand" if math.ceil(need - 1e-9) > 0 else "warm_pool" if want else "no_demand"
-            )
+            reason = "demand" if needed > 0 else "warm_pool" if want else "no_demand"
         waiting_here = d.running == 0 and d.handle_queued > 0
         partner_waiting = from_zero and paired and d.running == 0 and d.target == 0
         if waiting_here or partner_waiting:
@@ -357,7 +354,7 @@ def decide(
 
     if paired and "prefill" in wants and "decode" in wants:
         wp, _, _ = wants["prefill"]
-        wd, rd, nd = wants["decode"]
+        wd, _, nd = wants["decode"]
         if wp > 0 and wd == 0:
             wants["decode"] = (1, "paired_with_prefill", nd)
 
@@ -385,5 +382,4 @@ def decide(
             rs = replace(rs, raised_at=None, raised_to=0)
         roles[name] = rs
         decisions[name] = Decision(bounded, reason, round(need, 3))
-    state = replace(state, roles=roles, decisions=state.decisions + 1)
-    return state, decisions
+    return replace(state, roles=roles), decisions
