@@ -231,6 +231,16 @@ class PDAutoscaler:
 
     def __init__(self, **_: Any) -> None:
         self._publish = _Publisher()
+        # the config rides in the deployments' policy_kwargs; Serve calls the policy ten times
+        # a second, so it is validated when those change, not on every call
+        self._cfg_raw: dict[str, Any] | None = None
+        self._cfg = AutoscaleConfig()
+
+    def _config(self, raw: dict[str, Any]) -> AutoscaleConfig:
+        if raw != self._cfg_raw:
+            self._cfg = AutoscaleConfig.model_validate(raw)
+            self._cfg_raw = raw
+        return self._cfg
 
     def __call__(
         self, contexts: dict[Any, Any]
@@ -240,7 +250,7 @@ class PDAutoscaler:
             return {}, {}
         any_ctx = next(iter(contexts.values()))
         kw = _kwargs(by_role.get("prefill", (None, any_ctx))[1])
-        cfg = AutoscaleConfig.model_validate(kw.get("autoscaling") or {})
+        cfg = self._config(kw.get("autoscaling") or {})
         paired = bool(kw.get("paired", "decode" in by_role))
         holder = by_role.get("prefill", next(iter(by_role.values())))[0]
         state = AutoscaleState.from_dict(contexts[holder].policy_state.get(_STATE_KEY))
