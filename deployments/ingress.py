@@ -458,6 +458,8 @@ class IngressCore:
         #: warming the rest, failures, and seconds per warmed pair
         self._warm: set[tuple[str, str]] = set()
         self._warming: asyncio.Task[None] | None = None
+        #: the directories' versions the sync loop last looked for new pairs at
+        self._warm_checked: tuple[int, int] | None = None
         self._warm_seq = 0
         self._was_warm = False
         self.warm_up_failures = 0
@@ -506,10 +508,7 @@ class IngressCore:
         while True:
             await self.sync_index()
             if self.cfg.ingress.warm_up and not self.colocated:
-                # replicas that joined (the autoscaler's, or Serve's replacement of a dead
-                # one) are warmed before clients' requests reach them (the routers send to
-                # warm replicas first), without waiting for a /health probe
-                self._start_warm_up(self._pairs_to_warm() or [])
+                self._warm_new_pairs()
             feed = self.index.feed  # memory backend: this ingress follows the replicas' events
             if feed is not None:
                 for rid, rf in list(feed.replicas.items()):
@@ -735,6 +734,19 @@ class IngressCore:
         self._warm &= current  # pairs of replicas that left
         return sorted(current - self._warm)
 
+    def _warm_new_pairs(self) -> None:
+        """Warm the pairs of replicas that joined (the autoscaler's, or Serve's replacement of
+        a dead one) before clients' requests reach them (the routers send to warm replicas
+        first), without waiting for a /health probe. Looks only when a directory changed since
+        the last look, or a warm-up failed (a running warm-up is left to finish first)."""
+        versions = (self.directories["prefill"].version, self.directories["decode"].version)
+        if versions == self._warm_checked or not (self._warming is None or self._warming.done()):
+            return
+        left = self._pairs_to_warm()
+        if left is not None:  # both roles listed: this set of replicas is taken care of
+            self._warm_checked = versions
+        self._start_warm_up(left or [])
+
     def _start_warm_up(self, pairs: list[tuple[str, str]]) -> None:
         if not pairs or (self._warming is not None and not self._warming.done()):
             return
@@ -745,8 +757,9 @@ class IngressCore:
             t0 = time.monotonic()
             try:
                 await asyncio.wait_for(self._warm_pair(p, d), self.cfg.ingress.engine_timeout_s)
-            except Exception as e:  # retried at the next /health
+            except Exception as e:  # retried at the next /health or sync-loop look
                 self.warm_up_failures += 1
+                self._warm_checked = None
                 log.warning("warm-up of prefill %s -> decode %s failed: %s", p, d, e)
                 continue
             self._warm.add((p, d))
