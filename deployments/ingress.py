@@ -361,6 +361,10 @@ _REPORT_KEYS = (
     "total_kv_blocks",
     "tracked_blocks",
     "wedged",
+    "runtime",
+    "pid",
+    "loop_lag",
+    "rss_mb",
 )
 
 
@@ -443,7 +447,7 @@ class IngressCore:
         self._completions = CompletionRate(window_s=20.0)
         #: the engine replicas the rate was measured over
         self._rate_replicas: frozenset[str] = frozenset()
-        #: the last expected time in the system (s; Little's law), None while unknown
+        #: the last expected queueing time (s; Little's law), None while unknown
         self.expected_wait_s: float | None = None
         #: requests refused because the expected wait passed ingress.max_expected_wait_s
         self.wait_refused = 0
@@ -612,9 +616,11 @@ class IngressCore:
 
     def check_wait(self) -> None:
         """Overload control in seconds (:mod:`controllers.overload`): refuse with 503 and
-        ``Retry-After`` when the requests in the engines (waiting or running, from the
-        replicas' reports) over the engines' completion rate pass
-        ``ingress.max_expected_wait_s``."""
+        ``Retry-After`` when the requests waiting in the engines (queued, not running, from
+        the replicas' reports) over the engines' completion rate pass
+        ``ingress.max_expected_wait_s``: the time the queue ahead of a new request takes to
+        drain. Running requests do not count: below saturation the completion rate is the
+        load, not the capacity, and they made a lone client's request read as a long wait."""
         bound = self.cfg.ingress.max_expected_wait_s
         if not bound:
             return
@@ -630,10 +636,8 @@ class IngressCore:
             self._rate_replicas = replicas
             self._completions = CompletionRate(window_s=self._completions.window_s)
         self._completions.add(now, sum(int(r.get("requests_finished") or 0) for r in done.values()))
-        in_system = sum(
-            int(r.get("waiting") or 0) + int(r.get("running") or 0) for r in rows.values()
-        )
-        wait = expected_wait_s(in_system, self._completions.rate())
+        waiting = sum(int(r.get("waiting") or 0) for r in rows.values())
+        wait = expected_wait_s(waiting, self._completions.rate())
         self.expected_wait_s = wait
         retry = refuse_for(wait, bound)
         if retry is None:
@@ -641,7 +645,8 @@ class IngressCore:
         assert wait is not None
         self.wait_refused += 1
         what = (
-            f"{in_system} requests in the engines, about {wait:.0f} s of work (bound {bound:g} s)"
+            f"{waiting} requests waiting in the engines, about {wait:.0f} s to drain "
+            f"(bound {bound:g} s)"
         )
         raise self._overload_error(what, retry)
 

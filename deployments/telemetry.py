@@ -317,9 +317,10 @@ def metrics() -> Metrics:
 
 
 class CounterPublisher:
-    """Publishes the increases of cumulative counter dataclasses (``FeedStats``,
-    ``TrackerStats``, ``TWPCounters``: the counters the components keep for
-    ``/v1/pdserve/stats``) as one metric, a field per ``event`` tag, so both read one source."""
+    """Publishes the increases of cumulative counters (dataclasses such as ``FeedStats``,
+    ``TrackerStats``, or their dicts, as ``TWPCounters`` comes from the engine's report: the
+    counters the components keep for ``/v1/pdserve/stats``) as one metric, a field per
+    ``event`` tag, so both read one source."""
 
     def __init__(self, series: str) -> None:
         self.series = series
@@ -329,12 +330,67 @@ class CounterPublisher:
         import dataclasses
 
         key0 = tuple(sorted(tags.items()))
-        for f in dataclasses.fields(counters):
-            v = getattr(counters, f.name)
+        items = (
+            counters.items()
+            if isinstance(counters, dict)
+            else ((f.name, getattr(counters, f.name)) for f in dataclasses.fields(counters))
+        )
+        for name, v in items:
             if not isinstance(v, int) or isinstance(v, bool):
                 continue
-            key = (key0, f.name)
+            key = (key0, name)
             d = v - self.last.get(key, 0)
             if d > 0:
-                metrics().inc(self.series, d, event=f.name, **tags)
+                metrics().inc(self.series, d, event=name, **tags)
             self.last[key] = v
+
+
+class LoopLag:
+    """How late an event loop runs a timer: every ``period_s`` one sleep, and how much later
+    than asked it woke (the time every callback on the loop waits behind whatever holds it:
+    a step loop holding the interpreter lock, a blocking call). :meth:`report` gives the p50,
+    p99 and max of the last ``window`` samples in milliseconds, and the max since start."""
+
+    def __init__(self, period_s: float = 0.05, window: int = 1200) -> None:
+        from collections import deque
+
+        self.period_s = period_s
+        self.samples: deque[float] = deque(maxlen=window)
+        self.max_s = 0.0
+        self._task: Any = None
+
+    def start(self) -> None:
+        import asyncio
+
+        async def run() -> None:
+            loop = asyncio.get_running_loop()
+            while True:
+                t = loop.time()
+                await asyncio.sleep(self.period_s)
+                self.add(max(0.0, loop.time() - t - self.period_s))
+
+        self._task = asyncio.get_running_loop().create_task(run())
+
+    def add(self, lag_s: float) -> None:
+        self.samples.append(lag_s)
+        self.max_s = max(self.max_s, lag_s)
+
+    def report(self) -> dict[str, float | int]:
+        xs = sorted(self.samples)
+        if not xs:
+            return {"samples": 0}
+
+        def q(p: float) -> float:
+            return round(xs[min(len(xs) - 1, int(p * len(xs)))] * 1e3, 3)
+
+        return {
+            "samples": len(xs),
+            "p50_ms": q(0.5),
+            "p99_ms": q(0.99),
+            "max_ms": round(xs[-1] * 1e3, 3),
+            "max_since_start_ms": round(self.max_s * 1e3, 3),
+        }
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()

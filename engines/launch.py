@@ -2,9 +2,10 @@
 
 Every engine of the project (the serving replicas in ``deployments``, the profiler, the
 benchmarks, the test fixtures) is described by one validated :class:`EngineLaunch` and started
-through :func:`start_engine` (a ``vllm.LLMEngine``) or :func:`start_llm` (a ``vllm.LLM``). The
-CPU-platform settings (PLATFORM.md) live here and nowhere else: engine in-process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, so the live scheduler is reachable), caches inside
+through :func:`start_engine` (a ``vllm.LLMEngine``, ``runtime: in_process``),
+:func:`start_async_engine` (vLLM's ``AsyncLLM``, ``runtime: async_llm``: the engine core in its
+own process) or :func:`start_llm` (a ``vllm.LLM``). The CPU-platform settings (PLATFORM.md)
+live here and nowhere else: ``VLLM_ENABLE_V1_MULTIPROCESSING`` by runtime, caches inside
 ``cache_dir``, offline hub, no usage stats.
 
 This module imports no vLLM at import time: the serving layer validates an ``EngineLaunch``
@@ -40,6 +41,10 @@ SchedulerName = Literal[
 ]
 SHIPPED_SCHEDULERS: tuple[str, ...] = get_args(SchedulerName)
 HashAlgo = Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
+#: How an engine runs: ``in_process`` (a ``vllm.LLMEngine`` in the caller's process, stepped by
+#: a thread of the caller) or ``async_llm`` (vLLM's ``AsyncLLM``: the engine core in its own
+#: process, as vLLM's server and Ray Serve LLM run it).
+Runtime = Literal["in_process", "async_llm"]
 
 
 class _Strict(BaseModel):
@@ -148,6 +153,12 @@ class EngineLaunch(_Strict):
     kv_transfer: KVTransfer | None = Field(default=None, description="NIXL hand-off; None: off.")
     kv_events: KVEventsLaunch | None = Field(default=None, description="KV events; None: off.")
     log_stats: bool = Field(default=True, description="Keep vLLM's per-step stats.")
+    runtime: Runtime = Field(
+        default="in_process",
+        description="in_process: vllm.LLMEngine in this process "
+        "(VLLM_ENABLE_V1_MULTIPROCESSING=0); async_llm: vllm's AsyncLLM, engine core in its "
+        "own process (start_async_engine).",
+    )
     seed: int = Field(default=0, ge=0, description="vLLM's sampling seed.")
 
     @model_validator(mode="after")
@@ -175,7 +186,7 @@ def launch_env(launch: EngineLaunch) -> dict[str, str | None]:
     """
     c = Path(launch.cache_dir).expanduser()
     env: dict[str, str | None] = {
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if launch.runtime == "async_llm" else "0",
         "VLLM_CPU_KVCACHE_SPACE": str(launch.kv_cache_gib),
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
         "VLLM_CPU_OMP_THREADS_BIND": launch.cpu_bind,
@@ -248,11 +259,32 @@ def engine_args(launch: EngineLaunch) -> dict[str, Any]:
 
 def start_engine(launch: EngineLaunch, stat_loggers: list[Any] | None = None) -> Any:
     """A ``vllm.LLMEngine`` for ``launch`` (environment applied first)."""
+    if launch.runtime != "in_process":
+        raise ValueError(f"runtime: start_engine runs in_process engines, not {launch.runtime!r}")
     apply_env(launch_env(launch))
     from vllm import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 
     return LLMEngine.from_engine_args(EngineArgs(**engine_args(launch)), stat_loggers=stat_loggers)
+
+
+def start_async_engine(launch: EngineLaunch, stat_loggers: list[Any] | None = None) -> Any:
+    """A ``vllm.v1.engine.async_llm.AsyncLLM`` for ``launch`` (``runtime: async_llm``;
+    environment applied first): its engine core runs in a process of its own, which vLLM
+    spawns inside a Ray actor. Call it with the caller's event loop running; the caller's
+    requests go through ``AsyncLLM.generate`` and its scheduler calls through
+    :mod:`engines.engine_rpc`."""
+    if launch.runtime != "async_llm":
+        raise ValueError(
+            f"runtime: start_async_engine runs async_llm engines, not {launch.runtime!r}"
+        )
+    apply_env(launch_env(launch))
+    from vllm import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    return AsyncLLM.from_engine_args(
+        AsyncEngineArgs(**engine_args(launch)), stat_loggers=stat_loggers
+    )
 
 
 def start_llm(launch: EngineLaunch) -> Any:

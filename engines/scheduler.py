@@ -73,6 +73,7 @@ from controllers.prefill.fairway import FAST
 from controllers.prefill.registry import FAIR_SHARE_SUFFIX
 from controllers.profile import EngineProfile
 from engines.config import EngineSchedulerConfig, engine_config_from_vllm
+from engines.engine_rpc import register as register_engine_rpc
 from engines.prefix_probe import PrefixProbe
 from engines.state_channel import StatePublisher
 
@@ -603,3 +604,7 @@ class AsyncColocatedScheduler(PdserveSchedulerMixin, AsyncScheduler):
 
 
 from engines.scheduler_names import scheduler_cls_name  # noqa: E402,F401  (re-export)
+
+# the replica's calls reach a plug-in in vLLM's engine-core process through this method
+# (also a vLLM general plugin; registered here too so the plug-ins never go without it)
+register_engine_rpc()

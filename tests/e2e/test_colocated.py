@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.conftest import pd_args, wait_ready
+from tests.e2e.conftest import only_app, pd_args, wait_ready
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -42,10 +42,10 @@ def colocated(
     from deployments.app import build_app
 
     args = colocated_args(tiny_model_dir, tmp_path_factory.mktemp("colocated"))
-    serve.run(build_app(args), name=APP, route_prefix="/", blocking=False)
-    wait_ready(serve_url, 300)
-    yield {"url": serve_url, "engine": serve.get_deployment_handle("prefill", app_name=APP)}
-    serve.delete(APP)
+    with only_app(APP):
+        serve.run(build_app(args), name=APP, route_prefix="/", blocking=False)
+        wait_ready(serve_url, 300)
+        yield {"url": serve_url, "engine": serve.get_deployment_handle("prefill", app_name=APP)}
 
 
 def post(app: dict[str, Any], body: dict[str, Any]) -> httpx.Response:

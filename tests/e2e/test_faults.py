@@ -5,7 +5,9 @@ Two prefill and two decode replicas behind one ingress, routed by a Redis prefix
 test injects one fault under traffic and counts what its clients saw: requests sent,
 completed, failed with a clear error (an HTTP error body, or an SSE error event then
 ``[DONE]``), and lost (no answer, a hang, or a malformed one: must be 0). With
-``PDSERVE_FAULT_REPORT=path.json`` the counts are written there (the issue note's table).
+``PDSERVE_FAULT_REPORT=path.json`` the counts are written beside it, one file per engine
+runtime (``path.in_process.json``, ``path.async_llm.json``: the issue note's table). The
+module runs once per runtime in ``PDSERVE_FAULT_RUNTIMES`` (default ``in_process``).
 
 Replicas are killed with ``ray.kill`` (no restart of that actor; Serve starts a replacement);
 engines are wedged on purpose (``fault_injection``) to hold a request at a known point.
@@ -27,7 +29,7 @@ import httpx
 import pytest
 
 from cluster.tenants import hash_key
-from tests.e2e.conftest import shipped_engine, wait_until
+from tests.e2e.conftest import RUNTIMES, only_app, shipped_engine, wait_until
 from tests.e2e.test_pd_cluster import prompt
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
@@ -75,10 +77,22 @@ def fault_args(model_dir: Path, cache_dir: Path, redis_url: str) -> dict[str, An
     }
 
 
-@pytest.fixture(scope="module")
+#: in_process only in the suite: under async_llm the module passed 16 of 16 alone and in one
+#: full run, and 5 of its kill and wedge tests failed in another full run (not yet explained);
+#: ``PDSERVE_FAULT_RUNTIMES=in_process,async_llm`` runs both
+FAULT_RUNTIMES = tuple(
+    r for r in os.environ.get("PDSERVE_FAULT_RUNTIMES", "in_process").split(",") if r in RUNTIMES
+)
+
+
+@pytest.fixture(scope="module", params=FAULT_RUNTIMES)
 def faults(
-    serve_url: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest,
+    serve_url: str,
+    tiny_model_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[dict[str, Any]]:
+    """The fault app with both engine roles on ``runtime`` (each of the runtimes in turn)."""
     from ray import serve
 
     from cluster.redis_server import RedisNotFound, start_redis, stop_redis
@@ -92,21 +106,22 @@ def faults(
     args = fault_args(
         tiny_model_dir, tmp_path_factory.mktemp("faults"), f"redis://127.0.0.1:{port}/0"
     )
-    serve.run(build_app(args), name=APP, route_prefix="/", blocking=False)
+    for role in ("prefill", "decode"):
+        args[role]["runtime"] = request.param
     app: dict[str, Any] = {
         "url": serve_url,
         "redis": proc,
         "redis_port": port,
         "redis_dir": workdir,
     }
-    wait_until(lambda: full(app), "two prefill and two decode replicas reporting", 300)
-    wait_until(lambda: _health(app) == 200, "the app ready", 300)
+    for table in (REPORT, FREED_AFTER_S, RETRIES):  # this runtime's own counts
+        table.clear()
     try:
-        yield app
-        try:
-            serve.delete(APP)
-        except TimeoutError:  # a replica left wedged by a failed test: Serve gets there later
-            wait_until(lambda: APP not in serve.status().applications, "the app deleted", 300)
+        with only_app(APP):  # a replica a failed test left wedged: only_app waits it out
+            serve.run(build_app(args), name=APP, route_prefix="/", blocking=False)
+            wait_until(lambda: full(app), "two prefill and two decode replicas reporting", 300)
+            wait_until(lambda: _health(app) == 200, "the app ready", 300)
+            yield app
     finally:
         stop_redis(app["redis"])  # the one running now (a test may have restarted it)
     out = os.environ.get("PDSERVE_FAULT_REPORT")
@@ -114,7 +129,8 @@ def faults(
         report = {k: asdict(v) for k, v in REPORT.items()}
         report["seconds_to_free"] = dict(FREED_AFTER_S)
         report["retries_and_held"] = dict(RETRIES)
-        Path(out).write_text(json.dumps(report, indent=2))
+        path = Path(out)  # one report per runtime: x.json -> x.in_process.json, ...
+        path.with_suffix(f".{request.param}{path.suffix}").write_text(json.dumps(report, indent=2))
 
 
 # ----- helpers -------------------------------------------------------------------------------
@@ -215,12 +231,29 @@ def wedge(role: str, replica_id: str, seconds: float) -> None:
     raise AssertionError(f"could not reach {role} replica {replica_id}")
 
 
-def kill(replica_id: str) -> None:
+def kill(replica_id: str, pid: int | None = None) -> None:
+    """Kill a replica's actor (SIGKILL, no restart). With the engine replica's ``pid`` (its
+    load report's), the processes it started (an async_llm engine core and its worker) must
+    go with it, not live on as orphans holding memory and cores."""
+    import psutil
     import ray
 
     names = [a for a in ray.util.list_named_actors(all_namespaces=True) if replica_id in a["name"]]
     assert len(names) == 1, names
-    ray.kill(ray.get_actor(names[0]["name"], namespace=names[0]["namespace"]), no_restart=True)
+    actor = ray.get_actor(names[0]["name"], namespace=names[0]["namespace"])
+    kids = psutil.Process(pid).children(recursive=True) if pid else []
+    ray.kill(actor, no_restart=True)
+    wait_until(lambda: not any(_alive(k) for k in kids), f"{kids} gone with the replica", 30)
+
+
+def _alive(proc: Any) -> bool:
+    """Running, not a zombie waiting for a reaper (a container's init may not reap)."""
+    import psutil
+
+    try:
+        return bool(proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
+        return False
 
 
 def tokens(out: dict[str, Any]) -> str:
@@ -310,7 +343,7 @@ def test_a_decode_replica_gone_before_the_first_token_is_retried_on_another(
             continue
     held = in_flight(rows(faults, "decode")[victim])
     assert held > 0
-    kill(victim)
+    kill(victim, rows(faults, "decode")[victim]["pid"])
     for th in threads:
         th.join(180)
     assert tally.completed == tally.sent == len(threads), tally
@@ -343,7 +376,7 @@ def test_a_decode_replica_killed_mid_stream_ends_its_streams_with_an_error_event
     busy = {k: in_flight(r) for k, r in rows(faults, "decode").items()}
     victim = max(busy, key=lambda k: busy[k])
     assert busy[victim] > 0, busy
-    kill(victim)
+    kill(victim, rows(faults, "decode")[victim]["pid"])
     for th in threads:
         th.join(180)
     assert not any(th.is_alive() for th in threads)  # nothing hangs
@@ -383,7 +416,7 @@ def test_a_prefill_replica_killed_while_decode_waits_on_its_kv(faults: dict[str,
     wait_until(lambda: prefilled() is not None, "the prefill done, its KV held", 30)
     holder = prefilled()
     assert holder is not None
-    kill(holder)
+    kill(holder, rows(faults, "prefill")[holder]["pid"])
     th.join(180)
     assert not th.is_alive()
     assert tally.completed == 1, tally

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.conftest import pd_args, wait_ready, wait_until
+from tests.e2e.conftest import RUNTIMES, only_app, pd_args, wait_ready, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -40,22 +40,29 @@ def _deploy(args: dict[str, Any], options: dict[str, dict[str, Any]]) -> None:
     _get_global_client().deploy_apps(ServeDeploySchema.model_validate({"applications": [app]}))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=RUNTIMES)
 def live_app(
-    serve_url: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    request: pytest.FixtureRequest,
+    serve_url: str,
+    tiny_model_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[dict[str, Any]]:
+    """The app deployed as ``serve deploy`` does, both engines on each runtime in turn (the
+    user_config reaches an async_llm scheduler through engines.engine_rpc)."""
     from ray import serve
 
     args = pd_args(tiny_model_dir, tmp_path_factory.mktemp("live_cache"))
-    _deploy(args, {})
-    wait_ready(serve_url, 300)
-    yield {
-        "url": serve_url,
-        "deploy": lambda ucs: _deploy(args, ucs),
-        "prefill": serve.get_deployment_handle("prefill", app_name=APP),
-        "decode": serve.get_deployment_handle("decode", app_name=APP),
-    }
-    serve.delete(APP)
+    for role in ("prefill", "decode"):
+        args[role]["runtime"] = request.param
+    with only_app(APP):
+        _deploy(args, {})
+        wait_ready(serve_url, 300)
+        yield {
+            "url": serve_url,
+            "deploy": lambda ucs: _deploy(args, ucs),
+            "prefill": serve.get_deployment_handle("prefill", app_name=APP),
+            "decode": serve.get_deployment_handle("decode", app_name=APP),
+        }
 
 
 def engine_stats(app: dict[str, Any], role: str) -> dict[str, Any]:

@@ -16,15 +16,16 @@ import httpx
 import pytest
 
 from deployments.telemetry import SERIES
-from tests.e2e.conftest import APP, pd_args, wait_ready
+from tests.e2e.conftest import APP, RUNTIMES, only_app, pd_args, wait_ready
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 PROMPT = " ".join(f"trace{i % 31} word {i}" for i in range(120))  # > 1 KV block
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module", params=RUNTIMES)
 def traced_app(
+    request: pytest.FixtureRequest,
     serve_url: str,
     ray_cluster: dict[str, Any],
     tiny_model_dir: Path,
@@ -37,10 +38,12 @@ def traced_app(
     spans = tmp_path_factory.mktemp("spans")
     args = pd_args(tiny_model_dir, tmp_path_factory.mktemp("pd_cache"))
     args["observability"] = {"tracing": {"exporter": "file", "path": str(spans)}}
-    serve.run(build_app(args), name=APP, route_prefix="/", blocking=False)
-    wait_ready(serve_url, 300)
-    yield {"url": serve_url, "spans": spans, "metrics_url": ray_cluster["metrics_url"]}
-    serve.delete(APP)
+    for role in ("prefill", "decode"):  # each engine runtime in turn
+        args[role]["runtime"] = request.param
+    with only_app(APP):
+        serve.run(build_app(args), name=APP, route_prefix="/", blocking=False)
+        wait_ready(serve_url, 300)
+        yield {"url": serve_url, "spans": spans, "metrics_url": ray_cluster["metrics_url"]}
 
 
 def spans_of(folder: Path, trace_id: str) -> list[dict[str, Any]]:

@@ -15,7 +15,12 @@ from typing import Any
 import httpx
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.integration]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.integration,
+    # the API's shapes do not depend on the engine runtime (test_pd_app runs both): one app
+    pytest.mark.parametrize("pd_app", ["in_process"], indirect=True),
+]
 
 ROOT = Path(__file__).resolve().parents[2]
 LONG_PROMPT = " ".join(f"doc{i % 89} line {i}" for i in range(150))  # > 2 KV blocks

@@ -41,6 +41,23 @@ def test_models_and_health(pd_app: dict[str, Any]) -> None:
     assert len(warmed) == 1 and decode_counters(pd_app)["external_hits"] > 0
 
 
+def test_each_engine_runs_on_the_runtime_asked_for(pd_app: dict[str, Any]) -> None:
+    """async_llm: the scheduler runs in an engine-core process of its own under the replica's
+    (the pid the engine reports from inside it is one of the replica's children); in_process:
+    in the replica's own process. (By pid, not process title: vLLM's titles depend on
+    setproctitle and a CI run saw plain ``python``.)"""
+    import psutil
+
+    for role in ("prefill", "decode"):
+        st = pd_app[role].stats.remote().result(timeout_s=30)
+        assert st["runtime"] == pd_app["runtime"]
+        kids = {p.pid for p in psutil.Process(st["pid"]).children(recursive=True)}
+        if pd_app["runtime"] == "async_llm":
+            assert st["engine_pid"] != st["pid"] and st["engine_pid"] in kids, (st, kids)
+        else:
+            assert st["engine_pid"] == st["pid"], st
+
+
 def test_completion_non_streaming(pd_app: dict[str, Any]) -> None:
     r = client(pd_app).completions.create(
         model="test",

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from cluster.tenants import hash_key
-from tests.e2e.conftest import shipped_engine, wait_until
+from tests.e2e.conftest import only_app, shipped_engine, wait_ready, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -70,11 +70,12 @@ def cluster(
     backend = str(request.param)
     redis_url = request.getfixturevalue("redis_url") if backend == "redis" else None
     args = cluster_args(tiny_model_dir, tmp_path_factory.mktemp("cluster"), backend, redis_url)
-    serve.run(build_app(args), name=APP, route_prefix="/", blocking=False)
     app = {"url": serve_url, "backend": backend}
-    wait_until(lambda: len(followed(app)) == 2, "both prefill replicas reported")
-    yield app
-    serve.delete(APP)
+    with only_app(APP):
+        serve.run(build_app(args), name=APP, route_prefix="/", blocking=False)
+        wait_until(lambda: len(followed(app)) == 2, "both prefill replicas reported")
+        wait_ready(serve_url, 300)  # warm: every pair served once (the first test routes)
+        yield app
 
 
 def stats(app: dict[str, Any]) -> dict[str, Any]:

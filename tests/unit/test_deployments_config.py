@@ -220,6 +220,38 @@ def test_gpu_and_placement_settings_reach_the_engine_and_ray() -> None:
     assert actor_options(p.num_cpus, p.num_gpus, p.resources) == {"num_cpus": 1.0}
 
 
+def test_the_engine_runtime_is_async_llm_on_gpu_in_process_on_cpu_unless_named() -> None:
+    """``runtime: auto`` picks AsyncLLM for a GPU role and the in-process engine on CPU; a
+    named runtime wins; the launch carries it into the engine's environment; a bad value is
+    refused naming the field; each start function refuses the other runtime's launch."""
+    from engines.launch import start_async_engine, start_engine
+
+    gpu = {"num_cpus": 4, "num_gpus": 1, "kv_buffer_device": "cuda"}
+    cfg = AppConfig.model_validate({"decode": gpu})
+    assert cfg.decode.resolved_runtime == "async_llm"
+    assert cfg.prefill.resolved_runtime == "in_process"  # the CPU defaults
+    named = AppConfig.model_validate(
+        {
+            "prefill": {"num_cpus": 1, "runtime": "async_llm"},
+            "decode": {**gpu, "runtime": "in_process"},
+        }
+    )
+    assert named.prefill.resolved_runtime == "async_llm"
+    assert named.decode.resolved_runtime == "in_process"
+    pp = replica_ports(named, "prefill", 0, "10.1.1.1", _ports(43000))
+    dp = replica_ports(named, "decode", 0, "10.1.1.1", _ports(44000))
+    pl, dl = engine_launch(named, "prefill", pp), engine_launch(named, "decode", dp)
+    assert (pl.runtime, dl.runtime) == ("async_llm", "in_process")
+    assert launch_env(pl)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+    assert launch_env(dl)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    with pytest.raises(ValidationError, match="decode.runtime"):
+        AppConfig.model_validate({"decode": {"num_cpus": 1, "runtime": "multiprocess"}})
+    with pytest.raises(ValueError, match="runtime"):
+        start_engine(pl)
+    with pytest.raises(ValueError, match="runtime"):
+        start_async_engine(dl)
+
+
 def test_xxhash_needs_a_seed() -> None:
     with pytest.raises(ValidationError, match="hashing.seed"):
         AppConfig.model_validate({"hashing": {"algo": "xxhash", "seed": None}})

@@ -841,10 +841,11 @@ def test_colocated_echo_only_gives_its_queue_slot_back(tiny_model_dir: Path) -> 
 def test_the_wait_bound_refuses_once_the_engines_hold_more_than_it_in_seconds(
     tiny_model_dir: Path,
 ) -> None:
-    """``max_expected_wait_s``: requests in the engines (their reports' waiting + running)
-    over the engines' completion rate (their reports' ``requests_finished``). 40 requests at
-    2 per second is 20 s: admitted under a 30 s bound; 79 is 39.5 s: a 503 with Retry-After
-    (the excess, rounded up) and the numbers in the message."""
+    """``max_expected_wait_s``: requests waiting in the engines (their reports' ``waiting``;
+    running ones do not count) over the engines' completion rate (their reports'
+    ``requests_finished``). 40 waiting at 2 per second is 20 s: admitted under a 30 s bound,
+    however many run; 79 is 39.5 s: a 503 with Retry-After (the excess, rounded up) and the
+    numbers in the message."""
     import asyncio
     import time
 
@@ -862,10 +863,16 @@ def test_the_wait_bound_refuses_once_the_engines_hold_more_than_it_in_seconds(
     ).model_dump(mode="json")
     core = IngressCore(cfg, FakeEngine("prefill"), FakeEngine("decode"), app_name=app)
 
-    def reports(waiting: int, finished: int) -> None:
-        directory(app, "prefill").update({"p1": {"waiting": waiting // 2, "running": 0}})
+    def reports(waiting: int, finished: int, running: int = 0) -> None:
+        directory(app, "prefill").update({"p1": {"waiting": waiting // 2, "running": running}})
         directory(app, "decode").update(
-            {"d1": {"waiting": waiting - waiting // 2, "running": 0, "requests_finished": finished}}
+            {
+                "d1": {
+                    "waiting": waiting - waiting // 2,
+                    "running": running,
+                    "requests_finished": finished,
+                }
+            }
         )
 
     async def run() -> None:
@@ -873,14 +880,14 @@ def test_the_wait_bound_refuses_once_the_engines_hold_more_than_it_in_seconds(
         core.check_wait()  # the first replica set: the rate is measured from here
         core._completions = type(core._completions)(window_s=20.0)
         core._completions.add(time.monotonic() - 10, 0)  # 20 done in the last 10 s: 2/s
-        reports(40, 20)
+        reports(40, 20, running=30)  # 60 running: being served, not waiting
         core.check_wait()
         assert core.expected_wait_s == pytest.approx(20.0, rel=0.05)
         reports(79, 20)
         with pytest.raises(RequestError) as e:
             core.check_wait()
         assert e.value.status == 503 and e.value.headers == {"Retry-After": "10"}
-        assert "79 requests in the engines" in str(e.value) and core.wait_refused == 1
+        assert "79 requests waiting in the engines" in str(e.value) and core.wait_refused == 1
         # a replica joins (capacity changed): the old rate is dropped, nothing is refused
         # until the new capacity's rate is measured
         directory(app, "prefill").update(

@@ -1,4 +1,4 @@
-"""Overload control by expected time in the system (Little's law)."""
+"""Overload control by expected queueing time (Little's law)."""
 
 from __future__ import annotations
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 from typing import Any
 
@@ -101,12 +102,15 @@ def test_status_renders_a_stats_body() -> None:
 
 
 def test_admission_records_are_found_under_vllms_internal_ids() -> None:
-    from deployments.engine import _pop_admission
+    from types import SimpleNamespace
+
+    from engines.engine_rpc import call
 
     adm = {"decode-r-1-abcdefgh": {"lane": None}, "decode-r-zyxwvuts": {"lane": "fast"}}
-    assert _pop_admission(adm, "decode-r") == {"lane": "fast"}  # not its sibling -1's
-    assert _pop_admission(adm, "decode-r-1") == {"lane": None}
-    assert adm == {} and _pop_admission(adm, "decode-r") is None
+    sched = SimpleNamespace(admissions=adm)
+    assert call(sched, "pop_admission", ["decode-r"]) == {"lane": "fast"}  # not -1's
+    assert call(sched, "pop_admission", ["decode-r-1"]) == {"lane": None}
+    assert adm == {} and call(sched, "pop_admission", ["decode-r"]) is None
 
 
 def test_span_ids_do_not_follow_pythons_seeded_random(tmp_path: Path) -> None:
@@ -144,3 +148,26 @@ def test_counter_publisher_sends_each_fields_increase_once(monkeypatch: Any) -> 
         ("pdserve_twp_events", 2, {"event": "admitted", "replica": "d1"}),
         ("pdserve_twp_events", 1, {"event": "admitted", "replica": "d2"}),
     ]
+
+
+def test_loop_lag_sees_a_blocked_loop() -> None:
+    """A coroutine that holds the loop for 0.2 s makes the next timer at least that late;
+    the report's max says so and the window keeps its samples."""
+    import asyncio
+
+    from deployments.telemetry import LoopLag
+
+    async def go() -> dict[str, float | int]:
+        lag = LoopLag(period_s=0.01)
+        lag.start()
+        await asyncio.sleep(0.05)
+        time.sleep(0.2)  # holds the loop, as a step loop holding the GIL would
+        await asyncio.sleep(0.05)
+        lag.stop()
+        return lag.report()
+
+    rep = asyncio.run(go())
+    assert rep["samples"] >= 2
+    assert rep["max_ms"] >= 150 and rep["max_since_start_ms"] >= 150
+    assert rep["p50_ms"] <= rep["p99_ms"] <= rep["max_ms"]
+    assert LoopLag().report() == {"samples": 0}

@@ -258,3 +258,35 @@ def test_fair_share_lets_a_light_tenant_through_a_flood(pd_engine: PdEngine) -> 
             assert served["A"] > 0 and served["B"] >= 2 * 384  # charged from scheduled tokens
     assert ahead[False] >= 14, ahead
     assert ahead[True] <= 3, ahead
+
+
+def test_the_replicas_engine_calls_read_and_change_the_live_plugin(pd_engine: PdEngine) -> None:
+    """engines.engine_rpc, the one way a replica reaches its scheduler under either runtime,
+    on the real plug-in: the report carries the load and the policy's state; an admission
+    record names its Fairway lane once; lone streams' ITLs are found after a step; new TWP
+    values and a calibrated l_min take effect; an unknown call names itself."""
+    from engines.engine_rpc import call
+
+    sched = pd_engine.configure(prefill_policy="fairway", gate="twp")
+    rep = call(sched, "report")
+    assert rep["waiting"] == 0 and rep["running"] == 0 and "has_requests" in rep
+    assert rep["window_tokens"] > 0 and rep["policy"]["twp_state"]["sigma"] > 0
+    assert rep["policy"]["fairway"] == sched.pd_config.fairway.model_dump()
+    start = rep["policy"]["step"]
+    pd_engine.add("lone", _tokens(random.Random(9), 64), max_tokens=24)
+    pd_engine.drain()
+    adm = call(sched, "pop_admission", ["lone"])
+    assert adm is not None and adm["lane"] in ("fast", "fair") and adm["window_tokens"] > 0
+    assert call(sched, "pop_admission", ["lone"]) is None  # popped once
+    itls = call(sched, "lone_itls", [start])
+    assert len(itls) >= 16 and all(x > 0 for x in itls)
+    twp = {**sched.pd_config.twp.model_dump(), "H_min": 70, "H_max": 90}
+    call(sched, "update_params", [None, twp])
+    assert call(sched, "report")["policy"]["twp"]["H_max"] == 90
+    got = call(sched, "calibrate_decode", [0.004])
+    assert got is not None and got["l_min_s"] == 0.004
+    assert call(sched, "report")["policy"]["twp_state"]["l_min_s"] == 0.004
+    assert call(sched, "prefill_rate", [512]) > 0
+    with pytest.raises(ValueError, match="unknown engine call 'nope'"):
+        call(sched, "nope")
+    pd_engine.configure(prefill_policy="fcfs")
