@@ -20,7 +20,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.e2e.conftest import ROOT, wait_until
+from tests.e2e.conftest import ROOT, only_app, wait_until
 from tests.e2e.test_pd_cluster import prompt
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
@@ -51,19 +51,16 @@ def autoscale_config(model_dir: Path, cache_dir: Path) -> dict[str, Any]:
 def serverless(
     serve_url: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, Any]]:
-    from ray import serve
     from ray.serve.context import _get_global_client
     from ray.serve.schema import ServeDeploySchema
 
     app = autoscale_config(tiny_model_dir, tmp_path_factory.mktemp("autoscale"))
     client = _get_global_client()
     assert client is not None  # serve_url started Serve
-    client.deploy_apps(ServeDeploySchema.model_validate({"applications": [app]}))
-    wait_until(lambda: _status(APP) == "RUNNING", "the app deployed (at zero replicas)", 300)
-    try:
+    with only_app(APP):
+        client.deploy_apps(ServeDeploySchema.model_validate({"applications": [app]}))
+        wait_until(lambda: _status(APP) == "RUNNING", "the app deployed (at zero replicas)", 300)
         yield {"url": serve_url}
-    finally:
-        serve.delete(APP)
 
 
 def _status(app: str) -> str | None:
@@ -83,6 +80,56 @@ def running(role: str) -> int:
 
     dep = serve.status().applications[APP].deployments[role]
     return int(dep.replica_states.get(ReplicaState.RUNNING, 0))
+
+
+class ReplicaWatch:
+    """Polls Serve's replica states of both roles in a thread while a request runs, and keeps
+    the poll index at which each role first had a replica in any state but stopping
+    (``first_seen``) and first had one running (``first_running``)."""
+
+    def __init__(self, period_s: float = 0.1) -> None:
+        self.period_s = period_s
+        self.first_seen: dict[str, int | None] = {"prefill": None, "decode": None}
+        self.first_running: dict[str, int | None] = {"prefill": None, "decode": None}
+        self.seen: list[dict[str, dict[str, int]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        from ray import serve
+        from ray.serve._private.common import ReplicaState
+
+        i = 0
+        while not self._stop.is_set():
+            try:
+                deps = serve.status().applications[APP].deployments
+            except Exception:  # a status call racing a change: poll again
+                time.sleep(self.period_s)
+                continue
+            snap: dict[str, dict[str, int]] = {}
+            for role in ("prefill", "decode"):
+                states = {
+                    str(getattr(k, "value", k)): int(v)
+                    for k, v in deps[role].replica_states.items()
+                }
+                snap[role] = states
+                live = sum(v for k, v in states.items() if k != ReplicaState.STOPPING.value)
+                if live and self.first_seen[role] is None:
+                    self.first_seen[role] = i
+                if states.get(ReplicaState.RUNNING.value) and self.first_running[role] is None:
+                    self.first_running[role] = i
+            if not self.seen or self.seen[-1] != snap:
+                self.seen.append(snap)
+            i += 1
+            time.sleep(self.period_s)
+
+    def __enter__(self) -> ReplicaWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
 
 
 def stats(url: str) -> dict[str, Any]:
@@ -107,18 +154,23 @@ def test_a_request_at_zero_starts_both_roles_and_the_pair_returns_to_zero(
     time.sleep(3)  # health probes must not have started anything
     assert (running("prefill"), running("decode")) == (0, 0)
 
-    r = complete(url, prompt(1, 2))
+    with ReplicaWatch() as watch:
+        r = complete(url, prompt(1, 2))
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 8
     s = stats(url)
     ing = s["ingress"]
     assert ing["cold_start_waits"]["prefill"] == 1
     assert ing["phases_s"]["cold_start"]["n"] == 1  # in the request's latency breakdown
-    # the pair started together: decode was (nearly) up when the prefill finished, instead
-    # of starting only then (a second cold start in series)
-    pre_wait = ing["cold_start_last_s"]["prefill"]
-    dec_wait = ing["cold_start_last_s"]["decode"] or 0.0
-    assert pre_wait > 1.0 and dec_wait < 0.5 * pre_wait, (pre_wait, dec_wait)
+    assert ing["cold_start_last_s"]["prefill"] > 0
+    # the pair started together: a decode replica was already being started when the first
+    # prefill replica came up, instead of starting only when the request reached the decode
+    # stage (a second cold start in series). An order of events, not a ratio of durations:
+    # how long each start takes depends on the machine's load (two engines starting on two
+    # cores), which replica comes up first does not decide this.
+    assert watch.first_running["prefill"] is not None, watch.seen
+    assert watch.first_seen["decode"] is not None, watch.seen
+    assert watch.first_seen["decode"] <= watch.first_running["prefill"], watch.seen
     assert s["autoscaling"]["scope"] == "application"
     assert s["autoscaling"]["decisions"]["decode"]["replicas"] == 1
 
