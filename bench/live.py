@@ -56,6 +56,8 @@ class LiveRequest:
     ids: tuple[int, ...]
     max_tokens: int
     label: str = ""
+    #: the prompt as text, sent instead of ``ids`` when set (for endpoints that route on text)
+    text: str | None = None
 
 
 @dataclass
@@ -201,7 +203,7 @@ async def _one(
 ) -> LiveResult:
     body = {
         "model": model,
-        "prompt": list(r.ids),
+        "prompt": r.text if r.text is not None else list(r.ids),
         "max_tokens": r.max_tokens,
         "temperature": 0,
         "ignore_eos": True,
@@ -330,7 +332,7 @@ def summarize(endpoint: str, results: Sequence[LiveResult], wall_s: float) -> di
         "errors": len(results) - len(ok),
         "error_kinds": errors,
         "ttft": _stats([r.ttft_s for r in ok if r.ttft_s is not None]),
-        "itl": {"mean": itl_mean, "p99": _stats(itl)["p99"], "cv": cv},
+        "itl": {"mean": itl_mean, "p50": _stats(itl)["p50"], "p99": _stats(itl)["p99"], "cv": cv},
         "e2e": _stats([r.e2e_s for r in ok if r.e2e_s is not None]),
         "throughput_tps": sum(r.completion_tokens for r in ok) / wall_s if wall_s > 0 else 0.0,
         "cached_token_ratio": (sum(r.cached_tokens for r in ok) / prompt) if prompt else None,
@@ -415,6 +417,45 @@ def write_report(out: Path, summary: dict[str, Any], results: Sequence[LiveResul
     return files
 
 
+def build_requests(
+    *,
+    trace: Path | None = None,
+    trace_format: str | None = None,
+    scenario: str | None = None,
+    limit: int | None = None,
+    time_scale: float = 1.0,
+    length_scale: float = 1.0,
+    rate: float | None = None,
+    max_tokens: int = 16,
+    vocab: int = 1000,
+    seed: int = 0,
+    max_model_len: int | None = None,
+) -> tuple[list[LiveRequest], int]:
+    """The requests of a trace or scenario, shaped (see the module docstring); also how many
+    prompts were cut to fit ``max_model_len`` less their output."""
+    if (trace is None) == (scenario is None):
+        raise ValueError("give exactly one of --trace or --scenario")
+    if trace is not None:
+        if trace_format is None:
+            raise ValueError("--trace needs --trace-format (mooncake or azure)")
+        reqs = trace_requests(load_trace(trace, trace_format, limit), vocab, seed)
+    else:
+        assert scenario is not None
+        reqs = scenario_requests(scenario, vocab, seed, max_tokens, quick=bool(limit))
+    room = None
+    if max_model_len is not None and reqs:
+        room = max_model_len - max(r.max_tokens for r in reqs) - 1
+    return shape(
+        reqs,
+        limit=limit,
+        time_scale=time_scale,
+        length_scale=length_scale,
+        rate=rate,
+        max_prompt_tokens=room,
+        seed=seed,
+    )
+
+
 def run(
     endpoint: str,
     out: Path,
@@ -444,24 +485,18 @@ def run(
     endpoint = endpoint.rstrip("/")
     listed, max_len = max_model_len(endpoint, key)
     model = model or listed or "default"
-    if trace is not None:
-        if trace_format is None:
-            raise ValueError("--trace needs --trace-format (mooncake or azure)")
-        reqs = trace_requests(load_trace(trace, trace_format, limit), vocab, seed)
-    else:
-        assert scenario is not None
-        reqs = scenario_requests(scenario, vocab, seed, max_tokens, quick=bool(limit))
-    room = None
-    if max_len is not None:
-        room = max_len - max(r.max_tokens for r in reqs) - 1 if reqs else None
-    shaped, cut = shape(
-        reqs,
+    shaped, cut = build_requests(
+        trace=trace,
+        trace_format=trace_format,
+        scenario=scenario,
         limit=limit,
         time_scale=time_scale,
         length_scale=length_scale,
         rate=rate,
-        max_prompt_tokens=room,
+        max_tokens=max_tokens,
+        vocab=vocab,
         seed=seed,
+        max_model_len=max_len,
     )
     from tqdm import tqdm
 

@@ -18,7 +18,7 @@ if [ ! -f "$stamp" ]; then
   "$VENV/bin/pip" install -q --upgrade pip
   # torch first, so pip takes the local CPU wheel rather than a CUDA build.
   "$VENV/bin/pip" install -q 'torch==2.13.0'
-  "$VENV/bin/pip" install -q -e '.[dev,engine,cluster,serve]'
+  "$VENV/bin/pip" install -q -e '.[dev,engine,cluster,serve,peer]'
   "$VENV/bin/pip" install -q --no-deps 'nixl==1.5.1' 'nixl-cu12==1.5.1'
   "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   rm -f "$VENV"/.pdserve-setup-*

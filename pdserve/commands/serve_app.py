@@ -22,24 +22,18 @@ from typing import Any
 
 import typer
 
+from deployments.local import local_env, venv_bin
 from pdserve.apps import app, bench_app
 
 DEFAULT_CONFIG = Path("configs/pd_default.yaml")
 
 
 def _bin(name: str) -> str:
-    """The console script ``name`` next to this Python (the project's venv)."""
-    cand = Path(sys.executable).parent / name
-    return str(cand) if cand.exists() else name
+    return venv_bin(name)
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.setdefault("RAY_AUTH_MODE", "disabled")
-    env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("TRANSFORMERS_OFFLINE", "1")
-    return env
+    return local_env()
 
 
 def _ray_running(env: dict[str, str]) -> bool:
@@ -360,6 +354,111 @@ def bench_live(
         f"{t['p99']} s; {s['throughput_tps']:.1f} tokens/s; cached {s['cached_token_ratio']}"
     )
     typer.echo(f"wrote {out}/summary.json and {out}/report.md")
+
+
+@bench_app.command("compare")
+def bench_compare(
+    out: Path = typer.Option(..., help="Folder for compare.json, report.md and the plots."),
+    config: Path = typer.Option(
+        DEFAULT_CONFIG.parent / "pd_cluster.yaml",
+        help="pdserve's Serve YAML; the peer gets the same model, engines and replica counts.",
+    ),
+    preset: str = typer.Option(
+        "bench", help="Model for every system: test or bench (built locally), or config (its own)."
+    ),
+    systems: str = typer.Option(
+        ",".join(
+            (
+                "pdserve",
+                "pdserve-fcfs-rr",
+                "pdserve-fairway",
+                "pdserve-twp",
+                "peer-connector",
+                "peer",
+            )
+        ),
+        help="Systems, comma-separated, brought up one at a time in this order.",
+    ),
+    trace: Path | None = typer.Option(None, help="A trace file (with --trace-format)."),
+    trace_format: str | None = typer.Option(None, help="mooncake or azure."),
+    scenario: str | None = typer.Option(
+        "rag", help="rag, or a prefill-simulator scenario (ignored with --trace)."
+    ),
+    limit: int | None = typer.Option(None, min=1, help="Replay only the first N requests."),
+    time_scale: float = typer.Option(1.0, help="Multiply arrival offsets (2: half the rate)."),
+    length_scale: float = typer.Option(1.0, help="Multiply prompt and output lengths."),
+    concurrency: int | None = typer.Option(
+        None, min=1, help="Closed loop: N clients (instead of the arrivals)."
+    ),
+    rate: float | None = typer.Option(None, help="Poisson arrivals at R requests/s."),
+    max_tokens: int = typer.Option(16, min=1, help="Output tokens of scenario requests."),
+    seed: int = typer.Option(0, help="Seed of the prompts and of --rate's arrivals."),
+) -> None:
+    """pdserve side by side with Ray Serve LLM's prefill/decode app on the same replay and
+    engines, one system up at a time (each on a fresh local Ray head; nothing else may run on
+    its port): TTFT, ITL, throughput, cached-token ratio, deploy time, memory and idle CPU,
+    with ratios to the peer and a report with plots in OUT."""
+    import yaml
+
+    from bench.compare import SYSTEMS, as_text, run, with_preset
+    from bench.live import build_requests
+    from bench.traces import TraceFormatError
+    from deployments.config import load_app_config
+
+    if not config.exists():
+        raise typer.BadParameter(f"{config} does not exist", param_hint="--config")
+    if trace is not None and not trace.exists():
+        raise typer.BadParameter(f"{trace} does not exist", param_hint="--trace")
+    if preset not in ("test", "bench", "config"):
+        raise typer.BadParameter(
+            f"{preset!r}: expected test, bench or config", param_hint="--preset"
+        )
+    names = [s.strip() for s in systems.split(",") if s.strip()]
+    bad = [n for n in names if n not in SYSTEMS]
+    if bad or not names:
+        raise typer.BadParameter(
+            f"unknown {bad or 'empty'}; known: {', '.join(SYSTEMS)}", param_hint="--systems"
+        )
+    if concurrency is not None and rate is not None:
+        raise typer.BadParameter("give at most one of --concurrency or --rate")
+    base = with_preset(yaml.safe_load(config.read_text()), None if preset == "config" else preset)
+    try:
+        cfg = load_app_config(base["applications"][0].get("args") or {})
+        reqs, cut = build_requests(
+            trace=trace,
+            trace_format=trace_format,
+            scenario=None if trace is not None else scenario,
+            limit=limit,
+            time_scale=time_scale,
+            length_scale=length_scale,
+            rate=rate,
+            max_tokens=max_tokens,
+            seed=seed,
+            max_model_len=cfg.model.max_model_len,
+        )
+        from tokenizers import Tokenizer
+
+        from deployments.app import ensure_model
+
+        ensure_model(cfg)
+        tok = Tokenizer.from_file(str(cfg.model.resolved_path() / "tokenizer.json"))
+        reqs = as_text(reqs, tok)
+    except (ValueError, TraceFormatError) as e:
+        raise typer.BadParameter(str(e)) from None
+    workload = str(trace) if trace is not None else str(scenario)
+    typer.echo(
+        f"{len(reqs)} requests of {workload} ({cut} cut to fit), systems: {', '.join(names)}"
+    )
+    run(
+        base,
+        out,
+        reqs,
+        systems=names,
+        workload=workload,
+        concurrency=concurrency,
+        on_system=lambda n, row: typer.echo(f"{n}: {row.get('error') or 'done'}"),
+    )
+    typer.echo((out / "report.md").read_text())
 
 
 @bench_app.command("pd")
