@@ -29,6 +29,8 @@ from bench.stats import summarize
 from controllers.config import FairwayConfig
 from controllers.profile import EngineProfile
 
+#: The policies a prefill report compares by default (Fairway and its baselines).
+DEFAULT_POLICIES = ("fcfs", "lpm", "klpm4", "klpm8", "ragcache", "preble", "peek", "fairway")
 TARGET_PHASES = ("calm", "burst", "spike")
 STARVED_FACTOR = 3.0
 TARGET_MARGIN = 1.1

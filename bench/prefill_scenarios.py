@@ -359,32 +359,104 @@ class ScenarioSpec:
 
 SEC_SPIKE_PHASES = [("calm", 120.0, 0.5), ("burst", 120.0, 0.9), ("spike", 60.0, 1.75)]
 
+#: ``sec-spike-paper``: the sec-spike workload with its free parameters fitted so that the
+#: baselines (FCFS, LPM, RAGCache; never Fairway) land in the Fairway paper's published
+#: ranges on calibration seeds 1 and 2 (``pdserve sim fidelity --calibrate``; the grid, the
+#: targets and the log are in :mod:`bench.fidelity` and ``docs/fidelity.md``).
+SEC_SPIKE_CALIBRATED: dict[str, float] = {
+    "burst_load": 0.9,
+    "spike_load": 1.05,
+    "zipf_s": 1.7,
+    "cache_fraction": 0.33,
+}
+#: ``flood-paper``: the flood with its backlog and flood load fitted the same way (FCFS,
+#: LPM, RAGCache, PEEK on the paper's flood figures).
+FLOOD_CALIBRATED: dict[str, float] = {"backlog": 16, "flood_load": 1.5}
+
+
+def sec_spike_workload(
+    seed: int,
+    quick: bool,
+    profile: EngineProfile,
+    *,
+    burst_load: float = 0.9,
+    spike_load: float = 1.75,
+    zipf_s: float = 1.1,
+    cache_fraction: float = 0.3,
+    load: float = 1.0,
+    variant: str = "drain",
+    name: str | None = None,
+) -> Workload:
+    """The sec-spike scenario with its free parameters open (module docstring): the burst
+    and spike loads (x FCFS capacity), the reports' Zipf exponent and the cache fraction."""
+    phases = [("calm", 120.0, 0.5), ("burst", 120.0, burst_load), ("spike", 60.0, spike_load)]
+    if variant == "continued":
+        phases.append(("after", 120.0, 0.5))
+    if quick:
+        phases = [(n, d / 4, x) for n, d, x in phases]
+    corpus = SecCorpus(np.random.default_rng([seed, 0]), zipf_s=zipf_s)
+    keys = ("calm", "burst", "spike") + (("after",) if variant == "continued" else ())
+    return phased_workload(
+        name or f"sec-spike-{variant}",
+        _sec_mix(corpus),
+        phases,
+        seed=seed,
+        profile=profile,
+        cache_fraction=cache_fraction,
+        load_scale=load,
+        capacity_sample=200 if quick else 400,
+        keys=keys,
+    )
+
 
 def _sec_spike(variant: str) -> Callable[[int, bool, EngineProfile, float, float | None], Workload]:
     def build(
         seed: int, quick: bool, profile: EngineProfile, load: float, frac: float | None
     ) -> Workload:
-        phases = list(SEC_SPIKE_PHASES)
-        if variant == "continued":
-            phases.append(("after", 120.0, 0.5))
-        if quick:
-            phases = [(n, d / 4, x) for n, d, x in phases]
-        rng = np.random.default_rng([seed, 0])
-        corpus = SecCorpus(rng)
-        keys = ("calm", "burst", "spike") + (("after",) if variant == "continued" else ())
-        return phased_workload(
-            f"sec-spike-{variant}",
-            _sec_mix(corpus),
-            phases,
-            seed=seed,
-            profile=profile,
+        burst, spike = SEC_SPIKE_PHASES[1][2], SEC_SPIKE_PHASES[2][2]
+        return sec_spike_workload(
+            seed,
+            quick,
+            profile,
+            burst_load=burst,
+            spike_load=spike,
             cache_fraction=frac if frac is not None else 0.3,
-            load_scale=load,
-            capacity_sample=200 if quick else 400,
-            keys=keys,
+            load=load,
+            variant=variant,
         )
 
     return build
+
+
+def sec_spike_paper_workload(
+    seed: int,
+    quick: bool,
+    profile: EngineProfile,
+    params: dict[str, float],
+    load: float = 1.0,
+    cache_fraction: float | None = None,
+) -> Workload:
+    """``sec-spike-paper`` at ``params`` (:data:`SEC_SPIKE_CALIBRATED`'s keys; the
+    calibration tries others); ``cache_fraction`` overrides the fitted one."""
+    return sec_spike_workload(
+        seed,
+        quick,
+        profile,
+        burst_load=float(params["burst_load"]),
+        spike_load=float(params["spike_load"]),
+        zipf_s=float(params["zipf_s"]),
+        cache_fraction=float(
+            cache_fraction if cache_fraction is not None else params["cache_fraction"]
+        ),
+        load=load,
+        name="sec-spike-paper",
+    )
+
+
+def _sec_spike_paper(
+    seed: int, quick: bool, profile: EngineProfile, load: float, frac: float | None
+) -> Workload:
+    return sec_spike_paper_workload(seed, quick, profile, SEC_SPIKE_CALIBRATED, load, frac)
 
 
 def _long_prompts(
@@ -446,6 +518,7 @@ def flood_workload(
     n_docs: int = 8,
     flood_s: float = 60.0,
     flood_load: float = 2.0,
+    name: str = "flood",
 ) -> Workload:
     """The flood stress test (see the module docstring)."""
     bs = profile.block_size
@@ -489,7 +562,7 @@ def flood_workload(
         "--cache-fraction does not apply",
     )
     return Workload(
-        "flood",
+        name,
         backlog_reqs + flood,
         bs,
         cache,
@@ -505,6 +578,27 @@ def _flood(
     seed: int, quick: bool, profile: EngineProfile, load: float, frac: float | None
 ) -> Workload:
     return flood_workload(seed, quick, profile, load, frac)
+
+
+def flood_paper_workload(
+    seed: int, quick: bool, profile: EngineProfile, params: dict[str, float], load: float = 1.0
+) -> Workload:
+    """``flood-paper`` at ``params`` (:data:`FLOOD_CALIBRATED`'s keys)."""
+    return flood_workload(
+        seed,
+        quick,
+        profile,
+        load,
+        backlog=int(params["backlog"]),
+        flood_load=float(params["flood_load"]),
+        name="flood-paper",
+    )
+
+
+def _flood_paper(
+    seed: int, quick: bool, profile: EngineProfile, load: float, frac: float | None
+) -> Workload:
+    return flood_paper_workload(seed, quick, profile, FLOOD_CALIBRATED, load)
 
 
 # -- traces ----------------------------------------------------------------------------
@@ -690,6 +784,16 @@ def _registry() -> dict[str, ScenarioSpec]:
             "sec-spike-continued",
             "sec-spike followed by 120 s more at 0.5x instead of a drain",
             _sec_spike("continued"),
+        ),
+        "sec-spike-paper": ScenarioSpec(
+            "sec-spike-paper",
+            "sec-spike with its loads, popularity and cache fitted to the paper's baselines",
+            _sec_spike_paper,
+        ),
+        "flood-paper": ScenarioSpec(
+            "flood-paper",
+            "flood with its backlog and load fitted to the paper's baselines",
+            _flood_paper,
         ),
         "flood": ScenarioSpec(
             "flood",

@@ -12,10 +12,10 @@ import typer
 N = TypeVar("N", int, float)
 
 
-def csv_list(value: str) -> list[str]:
+def csv_list(value: str, param_hint: str | None = None) -> list[str]:
     items = [v.strip() for v in value.split(",") if v.strip()]
     if not items:
-        raise typer.BadParameter("expected a comma-separated list")
+        raise typer.BadParameter("expected a comma-separated list", param_hint=param_hint)
     return items
 
 
@@ -30,20 +30,28 @@ def csv_known(value: str, known: Sequence[str], what: str, param_hint: str) -> l
     return items
 
 
-def csv_numbers(value: str, kind: Callable[[str], N], what: str = "values") -> list[N]:
-    """Comma-separated non-negative numbers of ``kind`` (``int`` or ``float``)."""
+def csv_numbers(
+    value: str,
+    kind: Callable[[str], N],
+    what: str = "values",
+    param_hint: str | None = None,
+) -> list[N]:
+    """Comma-separated non-negative numbers of ``kind`` (``int`` or ``float``); errors name
+    ``param_hint`` (the option) when given."""
     try:
-        out = [kind(v) for v in csv_list(value)]
+        out = [kind(v) for v in csv_list(value, param_hint)]
     except ValueError:
         noun = "integers" if kind is int else "numbers"
-        raise typer.BadParameter(f"expected comma-separated {noun}, got {value!r}") from None
+        raise typer.BadParameter(
+            f"expected comma-separated {noun}, got {value!r}", param_hint=param_hint
+        ) from None
     if any(v < 0 for v in out):
-        raise typer.BadParameter(f"{what} must be >= 0")
+        raise typer.BadParameter(f"{what} must be >= 0", param_hint=param_hint)
     return out
 
 
-def csv_ints(value: str) -> list[int]:
-    return csv_numbers(value, int)
+def csv_ints(value: str, param_hint: str | None = None) -> list[int]:
+    return csv_numbers(value, int, param_hint=param_hint)
 
 
 def write_json(path: Path | None, data: Any) -> None:

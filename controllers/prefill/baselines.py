@@ -7,6 +7,7 @@ with ``tie="newest"``, which is what lets them starve misses when hits keep comi
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from controllers.prefill.base import PrefillQueueView, PrefillRequestView, arrival_order
@@ -103,8 +104,11 @@ class RAGCacheOrder:
     """RAGCache-style: rank by reuse ratio ``h / c`` alone (no wait term, no fairness).
 
     RAGCache's own scheduler ("cache-aware reordering") ranks by cached length over
-    computation length; it also has a knowledge tree and a starvation window that
-    this baseline leaves out.
+    computation length; it also has a starvation window, a GPU + host knowledge tree and
+    its PGDSF replacement policy, which this baseline leaves out (the Fairway paper
+    describes it as ranking by reuse ratio; eviction here is vLLM's block LRU). When most
+    waiting requests share one short cached head (the system prompt), ``h / c`` orders
+    them shortest first.
     """
 
     def __init__(self, tie: Tie = "oldest") -> None:
@@ -118,45 +122,71 @@ class RAGCacheOrder:
 
 
 class PrebleLike:
-    """Preble-like: 10 buckets of cache-hit ratio ``h / prompt``, served by weighted round-robin.
+    """Preble's single-instance scheduler, as released (WukLab/preble, ``fcfs-mpq``).
 
-    Bucket ``b = min(9, floor(10 * h / prompt))`` has weight ``b + 1``; each round visits
-    buckets from the highest ratio down and takes up to ``weight`` requests from each,
-    oldest first within a bucket. Preble's real scheduler balances prefix groups across
-    GPUs and uses the hit ratio to pick a priority group; this keeps only the
-    within-instance group rotation.
+    From ``python/sglang/srt/managers/router/model_rpc.py``: 10 priority groups by
+    cache-hit ratio ``r = h / prompt``, group ``0`` for ``r == 0`` else ``ceil(10 r) - 1``,
+    fixed when the request is first seen (a request keeps its group while it waits). Each
+    scheduling step serves *one* group, chosen by a pointer that persists across steps and
+    moves 9, 8, ..., 0, 9, ... skipping empty groups; that group may admit up to
+    ``(g + 1) * 10`` requests, oldest first. Preble's global router (load balancing and
+    prefix replication across GPUs) does not apply to one instance.
+
+    One deviation: the source leaves the rest of the step's budget idle, but an ordering
+    here must be a permutation of the queue (the engine fills its budget in this order), so
+    the other groups follow in the pointer's order, then the chosen group's overflow.
+    Eviction is the simulator's (vLLM's) block LRU for every policy, not SGLang's radix LRU.
     """
 
     name = "preble"
-    buckets = 10
+    groups = 10
+    k = 10
+
+    def __init__(self) -> None:
+        self._ptr = self.groups - 1
+        self._group: dict[str, int] = {}
+
+    def _bucket(self, r: PrefillRequestView) -> int:
+        if r.prompt_tokens <= 0 or r.cached_tokens <= 0:
+            return 0
+        ratio = min(1.0, r.cached_tokens / r.prompt_tokens)
+        return min(self.groups - 1, max(0, math.ceil(self.groups * ratio) - 1))
 
     def order(self, queue: PrefillQueueView, now: float) -> list[str]:
         reqs = queue.requests
-        groups: list[list[int]] = [[] for _ in range(self.buckets)]
+        if not reqs:
+            return []
+        live = {r.request_id for r in reqs}
+        self._group = {rid: g for rid, g in self._group.items() if rid in live}
+        groups: list[list[int]] = [[] for _ in range(self.groups)]
         for i in arrival_order(reqs):
-            r = reqs[i]
-            ratio = r.cached_tokens / r.prompt_tokens if r.prompt_tokens > 0 else 0.0
-            groups[min(self.buckets - 1, max(0, int(self.buckets * ratio)))].append(i)
-        heads = [0] * self.buckets
-        out: list[int] = []
-        while len(out) < len(reqs):
-            for b in range(self.buckets - 1, -1, -1):
-                g, h = groups[b], heads[b]
-                take = min(b + 1, len(g) - h)
-                out.extend(g[h : h + take])
-                heads[b] = h + take
+            rid = reqs[i].request_id
+            groups[self._group.setdefault(rid, self._bucket(reqs[i]))].append(i)
+        g = next(
+            x for x in ((self._ptr - s) % self.groups for s in range(self.groups)) if groups[x]
+        )
+        self._ptr = (g - 1) % self.groups
+        cap = (g + 1) * self.k
+        out = groups[g][:cap]
+        for s in range(1, self.groups):
+            out += groups[(g - s) % self.groups]
+        out += groups[g][cap:]
         return [reqs[i].request_id for i in out]
 
 
 class PeekLike:
     """PEEK-like: rank by prefill time saved by the cache, and protect waiting requests' blocks.
 
-    Prefill saved = ``T(prompt) - T(uncached)`` from the engine profile's prefill table
-    (attention makes a cached head worth more than its token count); without a profile
-    it falls back to cached tokens. :meth:`protected_blocks` returns the block hashes of
-    the ``protect_top`` highest-ranked waiting requests so the cache evicts other blocks
-    first. PEEK's published scheduler also ages requests; this baseline keeps only the
-    saved-work ranking and the protection, as the paper's comparison describes it.
+    Prefill saved = ``T(cached)``, the cached prefix's own prefill time from the engine
+    profile's table (superlinear in its length: attention makes a long cached head worth
+    more than its token count); without a profile it falls back to cached tokens. The
+    uncached suffix still attends to the cached head, so ``T(prompt) - T(uncached)`` (an
+    earlier key) overstated the saving by that cross term, growing with the prompt: misses
+    with the same short cached head then ran longest first. :meth:`protected_blocks`
+    returns the block hashes of the ``protect_top`` highest-ranked waiting requests so the
+    cache evicts other blocks first. No PEEK source was found to check further details
+    (aging, the protected count); this keeps what the Fairway paper's comparison describes:
+    the saved-work ranking and the protection.
     """
 
     name = "peek"
@@ -170,9 +200,7 @@ class PeekLike:
     def _saved(self, r: PrefillRequestView) -> float:
         if self.profile is None:
             return float(r.cached_tokens)
-        return self.profile.prefill_seconds(r.prompt_tokens) - self.profile.prefill_seconds(
-            r.uncached_tokens
-        )
+        return self.profile.prefill_seconds(r.cached_tokens) if r.cached_tokens > 0 else 0.0
 
     def _ranked(self, queue: PrefillQueueView) -> list[int]:
         reqs = queue.requests

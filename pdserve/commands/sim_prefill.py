@@ -7,10 +7,11 @@ from typing import Any
 
 import typer
 
+from bench.prefill_report import DEFAULT_POLICIES as _POLICIES
 from pdserve.apps import sim_app
 from pdserve.output import csv_known, table, write_json
 
-DEFAULT_POLICIES = "fcfs,lpm,klpm4,klpm8,ragcache,preble,peek,fairway"
+DEFAULT_POLICIES = ",".join(_POLICIES)
 
 
 @sim_app.command("prefill")

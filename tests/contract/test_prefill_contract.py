@@ -166,13 +166,36 @@ def test_klpm_counts_turns_across_steps() -> None:
     assert pol2.admitted == 1  # type: ignore[attr-defined]
 
 
-def test_preble_rotates_buckets_by_weight() -> None:
-    hi = [req(f"hi{i}", arrival=float(i), cached=950, uncached=50) for i in range(12)]  # bucket 9
-    lo = [req(f"lo{i}", arrival=float(i), cached=0, uncached=100) for i in range(3)]  # bucket 0
-    out = make_prefill_policy("preble").order(queue(*lo, *hi), 20.0)
-    # Round 1: bucket 9 takes 10 (weight 10), bucket 0 takes 1; round 2: 2 hi, 1 lo; then 1 lo.
-    assert out[:11] == [f"hi{i}" for i in range(10)] + ["lo0"]
-    assert out[11:] == ["hi10", "hi11", "lo1", "lo2"]
+def test_preble_serves_one_group_per_step_and_rotates() -> None:
+    """Released Preble (fcfs-mpq): group ceil(10 r) - 1, one group per step from a pointer
+    that persists across steps (9, 8, ..., 0, skipping empty ones), (g + 1) * 10 first."""
+    hi = [req(f"hi{i}", arrival=float(i), cached=950, uncached=50) for i in range(12)]  # r .95: 9
+    mid = [req(f"mid{i}", arrival=float(i), cached=41, uncached=59) for i in range(2)]  # .41: 4
+    lo = [req(f"lo{i}", arrival=float(i), cached=0, uncached=100) for i in range(3)]  # 0: 0
+    pol = make_prefill_policy("preble")
+    q = queue(*lo, *mid, *hi)
+    step1 = pol.order(q, 20.0)  # group 9: up to 100 of it first, oldest first
+    assert step1[:12] == [f"hi{i}" for i in range(12)]
+    assert step1[12:] == ["mid0", "mid1", "lo0", "lo1", "lo2"]
+    step2 = pol.order(q, 20.1)  # the pointer moved on: group 4 (8..5 are empty) heads
+    assert step2[:2] == ["mid0", "mid1"] and step2[2:5] == ["lo0", "lo1", "lo2"]
+    step3 = pol.order(q, 20.2)  # then group 0, then round to 9 again
+    assert step3[:3] == ["lo0", "lo1", "lo2"] and step3[3] == "hi0"
+    assert pol.order(q, 20.3)[0] == "hi0"
+    # a request keeps the group it was first seen in, though its cache has grown since
+    grown = queue(*lo[1:], req("lo0", arrival=0.0, cached=99, uncached=1), *mid, *hi)
+    assert pol.order(grown, 20.4)[:2] == ["mid0", "mid1"]  # group 4's turn; lo0 stays in 0
+    assert pol.order(grown, 20.5)[:3] == ["lo0", "lo1", "lo2"]
+
+
+def test_preble_caps_a_groups_turn_at_g_plus_one_times_ten() -> None:
+    lo = [req(f"lo{i}", arrival=float(i), cached=0, uncached=100) for i in range(12)]  # group 0
+    hi = [req("hi", arrival=99.0, cached=950, uncached=50)]
+    pol = make_prefill_policy("preble")
+    pol.order(queue(*lo, *hi), 100.0)  # group 9's turn
+    out = pol.order(queue(*lo, *hi), 100.1)  # group 0's turn: 10 of it, then the others
+    assert out[:10] == [f"lo{i}" for i in range(10)]
+    assert out[10:] == ["hi", "lo10", "lo11"]
 
 
 def test_peek_ranks_by_prefill_time_saved() -> None:
@@ -181,12 +204,17 @@ def test_peek_ranks_by_prefill_time_saved() -> None:
     prof = _profile()  # 0.1 s at 1,000 tokens, 1.5 s at 8,000: superlinear
     pol = make_prefill_policy("peek", profile=prof)
     q = queue(
-        # 7,000 cached of 8,000 saves 1.5 - 0.1 = 1.4 s
+        # the cached head's own prefill time: T(7,000) < T(7,500), whatever the suffix
         req("long_head", arrival=0.0, cached=7000, uncached=1000, prompt=8000),
-        # 7,500 cached of 16,000 saves T(16k) - T(8.5k) = 1.5 s
         req("longer", arrival=1.0, cached=7500, uncached=8500, prompt=16000),
     )
     assert pol.order(q, 2.0) == ["longer", "long_head"]
+    # misses with the same short cached head save the same: arrival order, not longest first
+    misses = queue(
+        req("old_short", arrival=0.0, cached=64, uncached=1500, prompt=1564),
+        req("new_long", arrival=1.0, cached=64, uncached=7000, prompt=7064),
+    )
+    assert pol.order(misses, 2.0) == ["old_short", "new_long"]
 
 
 def test_fairway_orders_hits_first_when_queue_is_short() -> None:

@@ -1,0 +1,234 @@
+"""A simulator workload replayed through the real vLLM engine, open loop, per prefill policy.
+
+Measured, not simulated (``"simulated": false``), beside the simulator's prediction for
+the very same replay (``"sim"``, simulated). Unlike ``bench engine`` (one burst), the
+requests arrive at their workload times (open loop: an arrival does not wait for the
+engine), so the calm, burst and spike phases of ``sec-spike-paper`` reach the engine as
+they do the simulator, scaled in time to this machine through the engine profile (the
+workload's arrival rates are multiples of FCFS's capacity on that profile).
+
+Prompts: a workload request carries only its chained block hashes (equal hashes mean equal
+prefixes); block ``i`` becomes ``block_size`` token ids drawn from a generator seeded by
+its hash, the partial tail block unique to the request. Two prompts then share a token
+prefix exactly where their hash chains agree, which is what vLLM's prefix cache sees.
+
+Timing: the engine runs in this process and steps synchronously; before each step the
+requests whose arrival time has passed are added. TTFT is the wall time from a request's
+*scheduled* arrival to the end of the step that emitted its first token (the simulator's
+definition), so an arrival during a long step is charged the rest of that step, as it
+would be in any engine that schedules between steps. Each request produces one token (a
+prefill node). The prefix cache is reset between policies.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.prefill_report import policy_report, six_targets
+from bench.prefill_scenarios import Workload
+from bench.prefill_sim import EngineConfig, RunResult, simulate
+from controllers.profile import EngineProfile
+
+
+class _BlockTokens:
+    """Token ids of a block hash (memoised): ``block_size`` ids drawn from a generator
+    seeded by the hash, in ``[10, vocab - 1)``."""
+
+    def __init__(self, block_size: int, vocab: int) -> None:
+        self.block_size = block_size
+        self.lo, self.hi = 10, max(11, vocab - 1)
+        self.blocks: dict[int, list[int]] = {}
+
+    def draw(self, seed: int | str, n: int) -> list[int]:
+        rng = random.Random(seed)
+        return [rng.randrange(self.lo, self.hi) for _ in range(n)]
+
+    def chain(self, hashes: Sequence[int]) -> list[int]:
+        out: list[int] = []
+        for h in hashes:
+            if h not in self.blocks:
+                self.blocks[h] = self.draw(h, self.block_size)
+            out += self.blocks[h]
+        return out
+
+
+def prompt_tokens(work: Workload, vocab: int) -> dict[str, list[int]]:
+    """Token ids per request id (see the module docstring)."""
+    blocks = _BlockTokens(work.block_size, vocab)
+    out: dict[str, list[int]] = {}
+    for r in work.requests:
+        toks = blocks.chain(r.block_hashes)
+        toks += blocks.draw(f"{r.request_id}/tail", r.prompt_tokens - len(toks))
+        out[r.request_id] = toks
+    return out
+
+
+def _warm(work: Workload, vocab: int) -> list[list[int]]:
+    blocks = _BlockTokens(work.block_size, vocab)
+    return [blocks.chain(chain) for chain in work.warm]
+
+
+def _result_from_ttfts(work: Workload, ttft: dict[str, float]) -> RunResult:
+    """A :class:`RunResult` over measured TTFTs, so the simulator's report code applies."""
+    from bench.prefill_sim import FinishedRequest
+
+    fin = [
+        FinishedRequest(
+            r.request_id,
+            r.arrival_s,
+            r.arrival_s,
+            r.arrival_s + ttft[r.request_id],
+            r.prompt_tokens,
+            0,
+            r.labels,
+        )
+        for r in work.requests
+        if r.request_id in ttft
+    ]
+    horizon = max((f.finish_s for f in fin), default=0.0)
+    rest = [r for r in work.requests if r.request_id not in ttft]
+    return RunResult("engine", fin, rest, horizon, 0, 0.0, 0)
+
+
+def replay(
+    llm: Any,
+    work: Workload,
+    policies: Sequence[str],
+    profile: EngineProfile,
+    *,
+    kv_blocks: int,
+    token_budget: int,
+    max_running: int,
+    configure: Callable[[str], None],
+    progress: Callable[[str, int, int], None] | None = None,
+    max_wall_s: float = 3600.0,
+) -> dict[str, Any]:
+    """Replay ``work`` through ``llm`` once per policy (``configure(policy)`` switches the
+    live scheduler and resets the prefix cache); returns measured and simulated reports."""
+    from vllm import SamplingParams
+
+    eng = llm.llm_engine
+    vocab = int(eng.model_config.get_vocab_size())
+    prompts = prompt_tokens(work, vocab)
+    warm = _warm(work, vocab)
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    reqs = sorted(work.requests, key=lambda r: r.arrival_s)
+    arrival = {r.request_id: r.arrival_s for r in reqs}
+    keys = list(work.keys)
+    out: dict[str, Any] = {
+        "simulated": False,
+        "scenario": work.name,
+        "requests": len(reqs),
+        "block_size": work.block_size,
+        "kv_blocks": kv_blocks,
+        "token_budget": token_budget,
+        "arrival_span_s": reqs[-1].arrival_s if reqs else 0.0,
+        "policies": {},
+        "sim": {"simulated": True, "policies": {}},
+    }
+    measured: dict[str, dict[str, Any]] = {}
+    predicted: dict[str, dict[str, Any]] = {}
+    for policy in policies:
+        configure(policy)
+        for i, w in enumerate(warm):
+            eng.add_request(f"warm{i}", {"prompt_token_ids": w}, one)
+        while eng.has_unfinished_requests():
+            eng.step()
+        ttft: dict[str, float] = {}
+        cached: dict[str, int] = {}
+        nxt = 0
+        t0 = time.monotonic()
+        while nxt < len(reqs) or eng.has_unfinished_requests():
+            now = time.monotonic() - t0
+            if now > max_wall_s:
+                raise TimeoutError(f"replay of {policy} ran past {max_wall_s:.0f} s")
+            while nxt < len(reqs) and reqs[nxt].arrival_s <= now:
+                r = reqs[nxt]
+                eng.add_request(r.request_id, {"prompt_token_ids": prompts[r.request_id]}, one)
+                nxt += 1
+            if not eng.has_unfinished_requests():
+                time.sleep(min(0.05, max(0.0, reqs[nxt].arrival_s - now)))
+                continue
+            outs = eng.step()
+            done = time.monotonic() - t0
+            for o in outs:
+                rid = o.request_id
+                if rid in arrival and rid not in ttft and o.outputs and o.outputs[0].token_ids:
+                    ttft[rid] = done - arrival[rid]
+                    cached[rid] = int(o.num_cached_tokens or 0)
+            if progress is not None:
+                progress(policy, len(ttft), len(reqs))
+        measured[policy] = policy_report(_result_from_ttfts(work, ttft), keys)
+        measured[policy]["wall_s"] = time.monotonic() - t0
+        measured[policy]["cached_tokens"] = cached
+        measured[policy]["ttft_s"] = {k: round(v, 4) for k, v in ttft.items()}
+        sim = simulate(
+            work.requests,
+            policy,
+            profile,
+            kv_blocks,
+            config=EngineConfig(
+                token_budget=token_budget, max_running=max_running, block_size=work.block_size
+            ),
+            warm=work.warm,
+        )
+        predicted[policy] = policy_report(sim, keys)
+    out["policies"] = measured
+    out["sim"]["policies"] = predicted
+    for block, reps in ((out, measured), (out["sim"], predicted)):
+        targets = six_targets(reps)
+        if targets is not None:
+            block["six_targets"] = targets
+    return out
+
+
+def run_engine_replay(
+    model_dir: str | Path,
+    work: Workload,
+    policies: Sequence[str],
+    profile: EngineProfile,
+    *,
+    cache_dir: str | Path,
+    token_budget: int = 2048,
+    max_running: int = 64,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> dict[str, Any]:
+    """Start one in-process engine (KV capped at the workload's cache) and :func:`replay`."""
+    from engines.config import EngineSchedulerConfig
+    from engines.runtime import live_scheduler, make_llm
+
+    longest = max(r.prompt_tokens for r in work.requests)
+    llm = make_llm(
+        model_dir,
+        cache_dir=cache_dir,
+        scheduler_cls="engines.scheduler.FairwayScheduler",
+        pdserve={"prefill_policy": "fcfs"},
+        kv_blocks=work.cache_blocks,
+        max_model_len=max(4096, longest + 16),
+        max_num_batched_tokens=token_budget,
+        max_num_seqs=max_running,
+    )
+    sched = live_scheduler(llm)
+
+    def configure(policy: str) -> None:
+        sched.configure(EngineSchedulerConfig(prefill_policy=policy, profile=profile))
+        llm.reset_prefix_cache()
+
+    try:
+        return replay(
+            llm,
+            work,
+            policies,
+            profile,
+            kv_blocks=work.cache_blocks,
+            token_budget=token_budget,
+            max_running=max_running,
+            configure=configure,
+            progress=progress,
+        )
+    finally:
+        llm.llm_engine.engine_core.shutdown()
