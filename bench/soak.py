@@ -60,6 +60,16 @@ def _classify(r: httpx.Response) -> str:
     return f"error {r.status_code}"
 
 
+def _reason(r: httpx.Response) -> str:
+    """The error's reason as the app gives it (the message of its JSON error), cut short."""
+    try:
+        err = r.json().get("error")
+        msg = err.get("message") if isinstance(err, dict) else err
+    except Exception:  # noqa: BLE001 - a proxy's plain-text error
+        msg = r.text
+    return f"{r.status_code}: {str(msg)[:80]}"
+
+
 def stats(url: str, key: str | None) -> dict[str, Any]:
     h = {"Authorization": f"Bearer {key}"} if key else {}
     r = httpx.get(f"{url}/v1/pdserve/stats", headers=h, timeout=30)
@@ -167,9 +177,17 @@ def _closed_loop(
 
 
 async def _open_loop(
-    url: str, key: str | None, bodies: Any, rate: float, seconds: float, seed: int, bar: tqdm
+    url: str,
+    key: str | None,
+    bodies: Any,
+    rate: float,
+    seconds: float,
+    seed: int,
+    bar: tqdm,
+    reasons: Counter[str] | None = None,
 ) -> list[tuple[float, str, float]]:
-    """Poisson arrivals at ``rate`` per second for ``seconds``; ``(sent_at, outcome, s)``."""
+    """Poisson arrivals at ``rate`` per second for ``seconds``; ``(sent_at, outcome, s)``.
+    The reasons of the answers that are errors are counted into ``reasons``."""
     rng = random.Random(seed)
     h = {"Authorization": f"Bearer {key}"} if key else {}
     out: list[tuple[float, str, float]] = []
@@ -181,8 +199,12 @@ async def _open_loop(
             try:
                 r = await c.post(f"{url}/v1/completions", json=bodies())
                 what = _classify(r)
+                if what.startswith("error") and reasons is not None:
+                    reasons[_reason(r)] += 1
             except httpx.HTTPError as e:
                 what = f"error {type(e).__name__}"
+                if reasons is not None:
+                    reasons[what] += 1
             out.append((at, what, time.monotonic() - t))
             bar.update(1)
 
@@ -256,9 +278,12 @@ def run(
     offset = 0.0
     span = duration_s / len(levels)
     total = int(sum(sat * x * span for x in levels))
+    reasons: Counter[str] = Counter()
     with tqdm(total=total, desc="soak", unit="req") as bar:
         for i, x in enumerate(levels):
-            got = asyncio.run(_open_loop(url, key, bodies, sat * x, span, seed + 1 + i, bar))
+            got = asyncio.run(
+                _open_loop(url, key, bodies, sat * x, span, seed + 1 + i, bar, reasons)
+            )
             outcomes = Counter(w for _, w, _ in got)
             results[f"{x:g}x"] = {
                 "offered_rps": sat * x,
@@ -278,6 +303,7 @@ def run(
     report["levels_out"] = results
     errors = Counter(w for _, w, _ in timeline if w.startswith("error"))
     report["errors"] = dict(errors)
+    report["error_reasons"] = dict(reasons.most_common(20))
     report["tables"] = {"before": base_tables, "after": after_tables}
     report["memory"] = _memory_report(mem.samples)
     report["checks"] = {

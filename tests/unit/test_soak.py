@@ -1,0 +1,23 @@
+"""The soak's classification of answers and the reasons it reports for errors."""
+
+from __future__ import annotations
+
+import httpx
+
+from bench.soak import _classify, _reason
+
+
+def test_only_429_and_503_with_retry_after_are_expected_refusals() -> None:
+    assert _classify(httpx.Response(200)) == "200"
+    assert _classify(httpx.Response(503, headers={"Retry-After": "3"})) == "503"
+    assert _classify(httpx.Response(429, headers={"Retry-After": "1"})) == "429"
+    assert _classify(httpx.Response(503)) == "error 503"  # no Retry-After: not a refusal
+    assert _classify(httpx.Response(504)) == "error 504"
+
+
+def test_an_error_reason_is_the_apps_message_or_the_text() -> None:
+    body = {"error": {"message": "decode timed out", "type": "timeout", "code": None}}
+    assert _reason(httpx.Response(504, json=body)) == "504: decode timed out"
+    assert _reason(httpx.Response(502, text="Bad Gateway")) == "502: Bad Gateway"
+    long = httpx.Response(500, json={"error": "x" * 500})
+    assert _reason(long) == "500: " + "x" * 80
