@@ -7,9 +7,13 @@ One run:
    among the steps) until the completion rate grows by less than 10%: the highest rate seen
    is the saturation rate. (A fixed, small client count underestimates it: in one run 8
    clients gave 7.8 req/s and open-loop arrivals at 11.7 req/s were all served.)
-2. **Warm-up.** ``warmup_s`` of open-loop arrivals at the highest level, so buffers sized
-   by peak concurrency (connections, queues, allocator pools) exist before the baseline;
-   memory that grows after it is growth under load, not start-up.
+2. **Warm-up.** ``warmup_s`` of open-loop arrivals at the highest level (by default as long
+   as one level), so buffers sized by peak concurrency (connections, queues, allocator
+   pools) exist before the baseline; memory that grows after it is growth that a repeat of
+   the heaviest load causes, a leak, not a high-water mark. With a 20 s warm-up at 1.5x
+   the queue had not reached its peak: Serve's proxy grew 16% and the ingress replicas 6%
+   in steps while it built, then stayed flat; after a 60 s warm-up every process grew less
+   than 3.2% over the run.
 3. **Baseline.** The app's tables (each router's, from ``/v1/pdserve/stats``; the blocks each
    prefill replica's feed holds for the index) and the resident memory of every process of
    the local Ray cluster (Serve's replicas, proxy and controller, raylet, GCS) and of
@@ -34,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+import re
 import threading
 import time
 from collections import Counter
@@ -99,15 +104,25 @@ def busy(s: dict[str, Any]) -> int:
     return n
 
 
+def process_name(argv0: str, name: str) -> str:
+    """The name a followed process is known by: a Ray actor's title (``argv[0]``) without the
+    method it is running (Ray retitles an actor per call: ``ray::ServeReplica:app:ingress``
+    becomes ``...ingress.handle_request_with_rejection`` while it serves one), so a process
+    keeps one name through the run; other processes by their executable's name."""
+    if not argv0.startswith("ray::"):
+        return name
+    return re.sub(r"\.[A-Za-z_]\w*$", "", argv0)
+
+
 def rss() -> dict[str, int]:
-    """Resident bytes of each followed process, by ``name[pid]``."""
+    """Resident bytes of each followed process, by ``name[pid]`` (:func:`process_name`)."""
     import psutil
 
     out: dict[str, int] = {}
     for p in psutil.process_iter(["pid", "name", "cmdline", "memory_info"]):
         try:
             argv0 = (p.info["cmdline"] or [p.info["name"] or ""])[0]
-            name = argv0 if argv0.startswith("ray::") else (p.info["name"] or "")
+            name = process_name(argv0, p.info["name"] or "")
             if any(name.startswith(f) for f in FOLLOWED):
                 out[f"{name}[{p.info['pid']}]"] = int(p.info["memory_info"].rss)
         except (psutil.Error, TypeError, AttributeError):
@@ -228,7 +243,7 @@ def run(
     levels: tuple[float, ...] = (1.0, 1.5),
     capacity_s: float = 32.0,
     clients: tuple[int, ...] = (4, 8, 16, 32),
-    warmup_s: float = 20.0,
+    warmup_s: float | None = None,
     documents: int = 8,
     doc_tokens: int = 512,
     question_tokens: int = 24,
@@ -266,6 +281,9 @@ def run(
     if sat <= 0:
         raise RuntimeError(f"no request completed while measuring capacity: {steps}")
     wait_idle(url, key, drain_bound_s * 4)
+    if warmup_s is None:
+        warmup_s = duration_s / len(levels)
+    report["warmup_s"] = warmup_s
     with tqdm(total=int(sat * max(levels) * warmup_s), desc="warm-up", unit="req") as bar:
         warm = asyncio.run(_open_loop(url, key, bodies, sat * max(levels), warmup_s, seed, bar))
     report["warmup_outcomes"] = dict(Counter(w for _, w, _ in warm))

@@ -515,8 +515,12 @@ def bench_soak(
     capacity_s: float = typer.Option(
         32.0, min=2, help="Seconds measuring saturation (closed loop, 4 to 32 clients)."
     ),
-    warmup_s: float = typer.Option(
-        20.0, "--warmup", min=0, help="Seconds of load at the top level before the baseline."
+    warmup_s: float | None = typer.Option(
+        None,
+        "--warmup",
+        min=0,
+        help="Seconds of load at the top level before the baseline (default: one level's "
+        "share of --duration, so peak-concurrency buffers exist before memory is measured).",
     ),
     api_key: str | None = typer.Option(None, help="API key, when the app requires one."),
     json_out: Path | None = typer.Option(None, "--json", help="Write the results as JSON here."),

@@ -21,3 +21,13 @@ def test_an_error_reason_is_the_apps_message_or_the_text() -> None:
     assert _reason(httpx.Response(502, text="Bad Gateway")) == "502: Bad Gateway"
     long = httpx.Response(500, json={"error": "x" * 500})
     assert _reason(long) == "500: " + "x" * 80
+
+
+def test_a_ray_actor_keeps_one_name_whatever_method_it_runs() -> None:
+    from bench.soak import process_name
+
+    base = "ray::ServeReplica:pdserve:ingress"
+    assert process_name(base, "python") == base
+    assert process_name(base + ".handle_request_with_rejection", "python") == base
+    assert process_name("ray::ServeController.listen_for_change", "x") == "ray::ServeController"
+    assert process_name("/usr/bin/redis-server", "redis-server") == "redis-server"
