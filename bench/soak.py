@@ -12,8 +12,9 @@ One run:
    pools) exist before the baseline; memory that grows after it is growth that a repeat of
    the heaviest load causes, a leak, not a high-water mark. With a 20 s warm-up at 1.5x
    the queue had not reached its peak: Serve's proxy grew 16% and the ingress replicas 6%
-   in steps while it built, then stayed flat; after a 60 s warm-up every process grew less
-   than 3.2% over the run.
+   in steps while it built, then stayed flat. After a 60 s warm-up, in three runs, every
+   pdserve process grew less than 3%; Serve's own proxy grew 3.0%, 3.2% and 7.5%, steadily
+   from the start (Ray's code, not pdserve's).
 3. **Baseline.** The app's tables (each router's, from ``/v1/pdserve/stats``; the blocks each
    prefill replica's feed holds for the index) and the resident memory of every process of
    the local Ray cluster (Serve's replicas, proxy and controller, raylet, GCS) and of
