@@ -474,9 +474,11 @@ def test_a_client_that_goes_away_frees_both_engines(faults: dict[str, Any]) -> N
     the request (its engine wedged for a few seconds, so the KV is still pinned on the
     prefill side): the decode engine aborts the request, and the prefill replica's pinned
     blocks come back. vLLM's pull connector tells the prefill of a request aborted before
-    its pull; that took under 5 s after the abort in two runs, and longer in a third (not
-    understood), so the test bounds it by the 30 s lease plus a margin (nothing leaks) and
-    the fault report records the time (``seconds_to_free``)."""
+    its pull; the test bounds that by the 30 s lease plus a margin (nothing leaks) and the
+    fault report records the time (``seconds_to_free``), counted from when the decode engine
+    could act on the abort: the later of the abort's count and the wedge's end. (Under
+    ``async_llm`` the replica counts the abort at once while the engine core is still
+    wedged, so a time from the count alone measured the wedge: 9.6 s.)"""
     tally = REPORT.setdefault("client_disconnected", Tally())
     wait_until(lambda: full(faults), "two replicas of each role", 240)
     pre = rows(faults, "prefill")
@@ -485,8 +487,10 @@ def test_a_client_that_goes_away_frees_both_engines(faults: dict[str, Any]) -> N
     decodes = rows(faults, "decode")
     taken = sum(int(r["requests"]) for r in decodes.values())
     aborted = sum(int(r["requests_aborted"]) for r in decodes.values())
+    wedge_s = 10.0
     for rid in decodes:
-        wedge("decode", rid, 10)
+        wedge("decode", rid, wedge_s)
+    wedge_end = time.monotonic() + wedge_s  # the last wedge's end (each returns at once)
     raw = json.dumps(body(prompt(700, 4), 64, stream=True)).encode()
     host, port = faults["url"].removeprefix("http://").split(":")
     sock = socket.create_connection((host, int(port)), timeout=30)
@@ -519,13 +523,13 @@ def test_a_client_that_goes_away_frees_both_engines(faults: dict[str, Any]) -> N
         "the decode engine aborted it",
         30,
     )
-    t_abort = time.monotonic()
+    t_abort = max(time.monotonic(), wedge_end)
     wait_until(
         lambda: int(rows(faults, "prefill")[held]["free_kv_blocks"]) >= free[held],
         "the prefill's pinned blocks back",
         45,
     )
-    FREED_AFTER_S["client_disconnected"] = round(time.monotonic() - t_abort, 2)
+    FREED_AFTER_S["client_disconnected"] = round(max(0.0, time.monotonic() - t_abort), 2)
 
 
 def test_an_ingress_restart_finds_the_index_in_redis(faults: dict[str, Any]) -> None:
