@@ -73,13 +73,19 @@ def _status(app: str) -> str | None:
     return None if a is None else str(a.status.value if hasattr(a.status, "value") else a.status)
 
 
-def running(role: str) -> int:
-    """Replicas of ``role`` Serve runs now."""
+def replica_states(role: str) -> dict[str, int]:
+    """Serve's count of ``role``'s replicas in each state now, by the state's name."""
     from ray import serve
-    from ray.serve._private.common import ReplicaState
 
     dep = serve.status().applications[APP].deployments[role]
-    return int(dep.replica_states.get(ReplicaState.RUNNING, 0))
+    return {str(getattr(k, "value", k)): int(v) for k, v in dep.replica_states.items()}
+
+
+def running(role: str) -> int:
+    """Replicas of ``role`` Serve runs now."""
+    from ray.serve._private.common import ReplicaState
+
+    return replica_states(role).get(ReplicaState.RUNNING.value, 0)
 
 
 class ReplicaWatch:
@@ -96,23 +102,16 @@ class ReplicaWatch:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        from ray import serve
         from ray.serve._private.common import ReplicaState
 
         i = 0
         while not self._stop.is_set():
             try:
-                deps = serve.status().applications[APP].deployments
+                snap = {role: replica_states(role) for role in ("prefill", "decode")}
             except Exception:  # a status call racing a change: poll again
                 time.sleep(self.period_s)
                 continue
-            snap: dict[str, dict[str, int]] = {}
-            for role in ("prefill", "decode"):
-                states = {
-                    str(getattr(k, "value", k)): int(v)
-                    for k, v in deps[role].replica_states.items()
-                }
-                snap[role] = states
+            for role, states in snap.items():
                 live = sum(v for k, v in states.items() if k != ReplicaState.STOPPING.value)
                 if live and self.first_seen[role] is None:
                     self.first_seen[role] = i
