@@ -64,6 +64,11 @@ class Ingress:
     async def detokenize(self, request: Request, body: DetokenizeRequest) -> Any:
         return await self.core.detokenize(request, body)
 
+    async def inject_routing_hold(self, role: str, seconds: float) -> str:
+        """Fault injection (the role's ``fault_injection: true`` only): see
+        ``IngressCore.inject_routing_hold``. A handle call, not an HTTP route."""
+        return self.core.inject_routing_hold(role, seconds)
+
     @api.get("/v1/models")
     async def models(self) -> Any:
         return self.core.models()

@@ -657,6 +657,8 @@ class EngineReplica:
         self.loop_lag.start()
         self._rss: tuple[float, float | None] = (0.0, None)
         self._ready = False
+        #: prefill KV released early at the ingress's word (:meth:`release_kv`)
+        self.kv_released = 0
         self._seq = 0
         self.live_config_error: str | None = None
         self.live_config_applied = 0
@@ -767,6 +769,27 @@ class EngineReplica:
             self._prefills -= 1
             if self._prefills == 0:
                 self._busy_s += time.monotonic() - self._busy_since
+
+    async def release_kv(self, req: EngineRequest) -> bool:
+        """Free now the KV this prefill engine holds for a decode replica to pull, named by
+        ``req.kv_transfer_params`` (the prefill's own output), instead of after NIXL's lease.
+
+        Only for a request no decode engine has: the ingress sends it for a decode call that
+        it withdrew before any router placed it (:meth:`Ingress._release_unsent`), pinned to
+        this replica (``req.route.pin``). Another replica (the pinned one gone, the router
+        then picks any) or another engine (``remote_engine_id``) releases nothing. Returns
+        whether this engine held the request's KV (it is freed at its next step)."""
+        params = req.kv_transfer_params or {}
+        pin = req.route.pin if req.route is not None else None
+        if self.role != "prefill" or pin != self.replica_id or not params.get("remote_request_id"):
+            return False
+        held = bool(
+            await self.engine.rpc(
+                "release_kv", str(params["remote_request_id"]), str(params.get("remote_engine_id"))
+            )
+        )
+        self.kv_released += int(held)
+        return held
 
     async def decode(self, req: EngineRequest) -> AsyncIterator[EngineChunk]:
         """:meth:`_decode`, counted in ``requests_in_flight`` until the stream ends (or is
@@ -1176,6 +1199,7 @@ class EngineReplica:
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,
             "requests_aborted": self.engine.aborted,
+            "kv_released": self.kv_released,
             "requests_in_flight": self.in_flight,
             "warm": self.warm,
             "first_call": self.first_call,

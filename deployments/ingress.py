@@ -92,7 +92,13 @@ from deployments.protocol import (
     Sampling,
     TokenLogprob,
 )
-from deployments.router_registry import directory, handle_waits, router_stats, set_routing
+from deployments.router_registry import (
+    directory,
+    handle_waits,
+    hold_routing,
+    router_stats,
+    set_routing,
+)
 from deployments.telemetry import (
     CounterPublisher,
     child,
@@ -349,6 +355,7 @@ _REPORT_KEYS = (
     "running",
     "kv_usage",
     "free_kv_blocks",
+    "kv_pinned_requests",
     "window_tokens",
     "token_load",
     "hash_mode",
@@ -356,6 +363,7 @@ _REPORT_KEYS = (
     "prefix_hits",
     "kv_load_failures",
     "requests_aborted",
+    "kv_released",
     "requests_finished",
     "requests_in_flight",
     "total_kv_blocks",
@@ -456,6 +464,9 @@ class IngressCore:
         self.deadline_exceeded = 0
         #: requests sent again after their replica died before the client got anything
         self.replica_retries = {"prefill": 0, "decode": 0}
+        #: prefill KV released at once for decode calls withdrawn before any decode replica
+        #: took them (:meth:`_release_unsent`): sent, freed by the holder, failed
+        self.kv_released = {"sent": 0, "freed": 0, "failed": 0}
         #: requests prefilled on their decode replica (conditional disaggregation)
         self.decode_local = 0
         #: warm-up: (prefill, decode) replica pairs a request has gone through, the task
@@ -795,6 +806,17 @@ class IngressCore:
         async for _ in self.decode_stream.decode.remote(dreq):
             pass
 
+    def inject_routing_hold(self, role: str, seconds: float) -> str:
+        """Fault injection (``<role>.fault_injection: true`` only): this ingress's router of
+        ``role`` places no call for ``seconds`` (``0`` ends it), as when none of its replicas
+        can take one: calls wait at the handle. Returns this ingress replica's id."""
+        if role not in ("prefill", "decode"):
+            raise ValueError(f"role must be 'prefill' or 'decode', not {role!r}")
+        if not self.cfg.engine(role).fault_injection:
+            raise PermissionError(f"{role}.fault_injection is off")
+        hold_routing(self.app_name, role, float(seconds))
+        return self.replica_id
+
     def models(self) -> dict[str, Any]:
         return {
             "object": "list",
@@ -846,6 +868,7 @@ class IngressCore:
             },
             "deadline_exceeded": self.deadline_exceeded,
             "replica_retries": dict(self.replica_retries),
+            "kv_released": dict(self.kv_released),
             "decode_local": self.decode_local,
             "cold_start_waits": dict(self.cold_start_waits),
             "cold_start_last_s": dict(self.cold_start_last_s),
@@ -1335,6 +1358,7 @@ class IngressCore:
             except Exception as e:  # the engine refused (400) or failed: a gateway error
                 if _replica_gone(e) and attempt < self.cfg.ingress.replica_retries:
                     attempt += 1  # Serve's router drops the dead replica; another one runs it
+                    self.waits["prefill"].pop(req.request_id)
                     req = replace(req, request_id=f"{prep.engine_rid}-retry{attempt}")
                     self._count_retry(prep, "prefill", e)
                     continue
@@ -1417,6 +1441,7 @@ class IngressCore:
                         attempt += 1
                         self._count_retry(prep, "decode", e)
                         _cancel(stream)
+                        self.waits[self._decode_dep].pop(dreq.request_id)
                         prep.local_cached = 0  # that engine's cached tokens are the usage's
                         dreq = replace(
                             dreq,
@@ -1448,6 +1473,53 @@ class IngressCore:
             self._release_slot(prep)  # colocated: its slot lasted the stream
             if not done:
                 _cancel(stream)
+            if prep.first_chunk_at is None:  # else _cold_wait took the call's placement
+                self._release_unsent(dreq, pre)
+
+    @property
+    def _decode_dep(self) -> str:
+        return "prefill" if self.colocated else "decode"
+
+    def _release_unsent(self, dreq: EngineRequest, pre: EngineChunk) -> None:
+        """The decode call ``dreq`` ended before its first chunk (the client left, a time-out,
+        an error). When no router ever placed it (it waited at the handle: decode replicas
+        starting from zero, or all full), no decode engine has the request, so none will pull
+        or release the prefill's KV pinned for it, which would stay pinned for NIXL's lease
+        (30 s). The call is withdrawn (a router will not place it now) and the prefill replica
+        that holds the KV is asked to release it at once (:meth:`EngineReplica.release_kv`).
+        A call some router placed is left to its decode engine: vLLM's connector tells the
+        prefill of a request aborted before its pull, and a release then could free blocks
+        that engine is reading."""
+        placed = not self.waits[self._decode_dep].withdraw(dreq.request_id)
+        params = dreq.kv_transfer_params
+        if placed or not params or not pre.replica_id:
+            return
+        rel = EngineRequest(
+            f"{dreq.request_id}-release",
+            (),
+            Sampling(max_tokens=1),
+            kv_transfer_params=dict(params),
+            route=RouteHint(0, pin=pre.replica_id),
+        )
+        self.kv_released["sent"] += 1
+        task = asyncio.get_running_loop().create_task(self._send_release(rel))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _send_release(self, rel: EngineRequest) -> None:
+        call = None
+        try:
+            call = self.prefill.release_kv.remote(rel)
+            freed = await asyncio.wait_for(call, self.cfg.ingress.engine_timeout_s)
+        except Exception as e:  # noqa: BLE001 - the lease frees the KV anyway
+            _cancel(call)
+            self.kv_released["failed"] += 1
+            log.warning("KV release %s: %s", rel.request_id, _reason(e))
+            return
+        finally:
+            self.waits["prefill"].pop(rel.request_id)
+        if freed:
+            self.kv_released["freed"] += 1
 
     def _prompt_entries(self, pre: EngineChunk) -> list[TokenLogprob | None]:
         return list(pre.prompt_logprobs or ())

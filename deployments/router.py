@@ -69,7 +69,13 @@ from controllers.routing import (
 )
 from deployments.config import AppRoutingConfig
 from deployments.protocol import EngineRequest
-from deployments.router_registry import counters_for, directory, handle_waits, routing_of
+from deployments.router_registry import (
+    counters_for,
+    directory,
+    handle_waits,
+    routing_held,
+    routing_of,
+)
 
 log = logging.getLogger(__name__)
 
@@ -190,10 +196,22 @@ class _Bookkeeping:
             return warm
         return candidates
 
-    def _note_wait(self, req: EngineRequest, pending: PendingRequest) -> None:
-        """How long ``req`` waited at the handle before this first decision (no replica to
-        place it on: a cold start), for the ingress's latency breakdown."""
-        self.waits.note(req.request_id, time.time() - pending.created_at)
+    def _place(self, req: EngineRequest, pending: PendingRequest) -> bool:
+        """Note this first decision on ``req`` and how long it waited at the handle before it
+        (no replica to place it on: a cold start), for the ingress's latency breakdown.
+        ``False`` when the ingress withdrew the call first (its client left while it waited:
+        the router then offers no replica, and Serve drops the cancelled call), or while
+        routing is held on purpose (:func:`~deployments.router_registry.hold_routing`)."""
+        dep = self._deployment_id
+        if routing_held(dep.app_name, dep.name):  # fault injection: as if no replica could
+            self.counters.count("held_on_purpose")
+        elif self.waits.place(req.request_id, time.time() - pending.created_at):
+            return True
+        else:
+            self.counters.count("withdrawn_call_skipped")
+        # Serve asks again at once unless told to back off: a loop that never yields
+        pending.routing_context.should_backoff = True
+        return False
 
     def _absorb_reports(self, candidates: list[RunningReplica], now: float) -> None:
         """Retire in-flight entries that a newer report from their replica covers."""
@@ -267,8 +285,8 @@ class _PolicyRouter(_Bookkeeping, RequestRouter):
         key = pending_request.metadata.internal_request_id
         with self._lock:
             prior = self._decided.get(key)
-            if prior is None:
-                self._note_wait(req, pending_request)
+            if prior is None and not self._place(req, pending_request):
+                return []
             if prior is not None and prior in {r.replica_id.unique_id for r in candidate_replicas}:
                 return self._ranked(candidate_replicas, [prior])
             now = time.time()
@@ -412,8 +430,8 @@ class ServeDefaultRouter(_Bookkeeping, PowerOfTwoChoicesRequestRouter):
             assert pending_request is not None
             with self._lock:
                 key = pending_request.metadata.internal_request_id
-                if key not in self._engine_calls:
-                    self._note_wait(req, pending_request)
+                if key not in self._engine_calls and not self._place(req, pending_request):
+                    return []
                 self._engine_calls.add(key)
             candidate_replicas = self._warm_first(candidate_replicas)
         out: list[list[RunningReplica]] = await super().choose_replicas(

@@ -9,6 +9,7 @@ Serve's router loop, the ingress on its own).
 from __future__ import annotations
 
 import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -137,34 +138,66 @@ def routing_of(app: str) -> tuple[int, dict[str, Any]]:
 
 
 class HandleWaits:
-    """Engine request id -> seconds its call waited at the handle before a router could place
-    it (no replica running: a cold start, or every replica gone), noted by the router, taken by
-    the ingress for the request's latency breakdown (thread-safe, bounded)."""
+    """The engine calls a router has placed, by engine request id, each with the seconds it
+    waited at the handle before that first decision (no replica running: a cold start, or
+    every replica gone); noted by the router, taken by the ingress (thread-safe, bounded).
 
-    #: waits shorter than this are not noted (a routing decision, not a cold start)
+    Two uses:
+
+    - the request's latency breakdown: :meth:`pop` gives the wait when it was a cold start;
+    - a decode call withdrawn before any router placed it: :meth:`withdraw` tells the ingress
+      that no decode engine has (or will get) the request, so the prefill's KV pinned for it
+      can be released at once instead of after NIXL's lease. It is atomic with
+      :meth:`place`: once withdrawn, the router does not place the call (it offers Serve no
+      replica until Serve drops the cancelled call); once placed, it cannot be withdrawn.
+    """
+
+    #: waits shorter than this are not a cold start (a routing decision): :meth:`pop` says None
     MIN_S = 0.25
-    #: entries kept for calls nobody takes (warm-up, health): oldest dropped first
-    MAX_KEPT = 10_000
+    #: placements kept for calls nobody takes (warm-up): oldest dropped first. Far above the
+    #: calls one ingress process has in flight (its ``max_ongoing_requests``), so a call in
+    #: flight is never dropped (a dropped placement could be withdrawn by mistake).
+    MAX_KEPT = 100_000
+    #: withdrawn ids kept (a router may be asked about one until Serve drops the call)
+    MAX_WITHDRAWN = 10_000
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._waits: dict[str, float] = {}
+        self._placed: dict[str, float] = {}
+        self._withdrawn: dict[str, None] = {}
 
-    def note(self, request_id: str, waited_s: float) -> None:
-        if waited_s < self.MIN_S:
-            return
+    def place(self, request_id: str, waited_s: float) -> bool:
+        """The router's first decision on ``request_id`` (it waited ``waited_s`` at the handle):
+        ``False`` when the ingress has withdrawn it (the router must not place it)."""
         with self._lock:
-            self._waits.setdefault(request_id, waited_s)
-            while len(self._waits) > self.MAX_KEPT:
-                del self._waits[next(iter(self._waits))]
+            if request_id in self._withdrawn:
+                return False
+            self._placed.setdefault(request_id, waited_s)
+            while len(self._placed) > self.MAX_KEPT:
+                del self._placed[next(iter(self._placed))]
+            return True
+
+    def withdraw(self, request_id: str) -> bool:
+        """Whether ``request_id`` was never placed; if so, it never will be. A placed call's
+        entry is taken (as :meth:`pop`) and ``False`` returned."""
+        with self._lock:
+            if self._placed.pop(request_id, None) is not None:
+                return False
+            self._withdrawn[request_id] = None
+            while len(self._withdrawn) > self.MAX_WITHDRAWN:
+                del self._withdrawn[next(iter(self._withdrawn))]
+            return True
 
     def pop(self, request_id: str) -> float | None:
+        """Take ``request_id``'s entry: its wait at the handle when that was a cold start
+        (at least :data:`MIN_S`), else ``None``."""
         with self._lock:
-            return self._waits.pop(request_id, None)
+            waited = self._placed.pop(request_id, None)
+        return waited if waited is not None and waited >= self.MIN_S else None
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._waits)
+            return len(self._placed)
 
 
 _WAITS: dict[tuple[str, str], HandleWaits] = {}
@@ -174,3 +207,24 @@ def handle_waits(app: str, deployment: str) -> HandleWaits:
     """The :class:`HandleWaits` of ``app``'s ``deployment`` in this process."""
     with _REGISTRY_LOCK:
         return _WAITS.setdefault((app, deployment), HandleWaits())
+
+
+_HOLDS: dict[tuple[str, str], float] = {}
+
+
+def hold_routing(app: str, deployment: str, seconds: float) -> None:
+    """Fault injection: this process's routers of ``app``'s ``deployment`` place no engine
+    call for ``seconds`` (``0`` ends the hold), as when none of its replicas can take one (all
+    starting from zero, or all full): calls wait at the handle."""
+    with _REGISTRY_LOCK:
+        if seconds > 0:
+            _HOLDS[(app, deployment)] = time.time() + float(seconds)
+        else:
+            _HOLDS.pop((app, deployment), None)
+
+
+def routing_held(app: str, deployment: str) -> bool:
+    """Whether :func:`hold_routing` holds ``app``'s ``deployment`` now."""
+    with _REGISTRY_LOCK:
+        until = _HOLDS.get((app, deployment))
+    return until is not None and time.time() < until

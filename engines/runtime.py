@@ -64,7 +64,8 @@ def load_report(scheduler: Any) -> dict[str, Any]:
     Keys: ``waiting``, ``running``, ``queued_uncached_tokens`` (waiting requests' tokens not
     yet computed, less their cached prefix when a plug-in's prefix probe is there),
     ``free_kv_blocks``,
-    ``total_kv_blocks``, ``kv_usage``, and for a TWP gate ``window_tokens`` and ``token_load``
+    ``total_kv_blocks``, ``kv_usage``, ``kv_pinned_requests`` (finished requests whose blocks
+    the engine still holds: on a prefill engine, KV pinned for a decode engine's pull), and for a TWP gate ``window_tokens`` and ``token_load``
     (``None`` without one: no pacing limit).
     """
     pool = scheduler.kv_cache_manager.block_pool
@@ -84,6 +85,7 @@ def load_report(scheduler: Any) -> dict[str, Any]:
         "free_kv_blocks": int(pool.get_num_free_blocks()),
         "total_kv_blocks": max(1, int(pool.num_gpu_blocks) - 1),
         "kv_usage": float(scheduler.kv_cache_manager.usage),
+        "kv_pinned_requests": max(0, len(scheduler.requests) - len(waiting) - len(running)),
         "window_tokens": float(gate.window_tokens) if gate is not None else None,
         "token_load": float(scheduler._running_token_load()) if gate is not None else None,
     }

@@ -42,7 +42,9 @@ class FakeEngine:
         self.gone = 0  # the next calls find their replica dead (Ray's ActorDiedError)
         self.dies_after: int | None = None  # the replica dies after this many chunks
         self.seen: list[EngineRequest] = []
+        self.released: list[EngineRequest] = []
         self.prefill = _Remote(self._prefill)
+        self.release_kv = _Remote(self._release_kv)
         self.decode = _Remote(self._decode)
         self.ready = _Remote(self._ready)
         self.stats = _Remote(self._stats)
@@ -83,6 +85,10 @@ class FakeEngine:
                 yield EngineChunk(
                     f"t{i}", (i,), last, len(req.prompt_token_ids), 0, 0.02, index=seq
                 )
+
+    async def _release_kv(self, req: EngineRequest) -> bool:
+        self.released.append(req)
+        return True
 
     async def _ready(self) -> bool:
         if not self.is_ready:
@@ -140,7 +146,9 @@ def _wire(tiny_model_dir: Path, extra: dict[str, Any]) -> Any:
     async def stats(reset: bool = False) -> Any:
         return await core.stats(reset=reset)
 
-    return TestClient(app), pre, dec
+    client = TestClient(app)
+    client.core = core  # type: ignore[attr-defined]
+    return client, pre, dec
 
 
 def auth(k: str = "ka") -> dict[str, str]:
@@ -897,3 +905,47 @@ def test_the_wait_bound_refuses_once_the_engines_hold_more_than_it_in_seconds(
         assert core.expected_wait_s is None and core.wait_refused == 1
 
     asyncio.run(run())
+
+
+def test_a_decode_call_no_router_placed_releases_the_prefills_kv_and_a_placed_one_does_not(
+    wired: Any,
+) -> None:
+    """A decode call that ends before its first chunk (the client left, a time-out) while it
+    still waited at the handle is withdrawn, and the prefill replica holding its KV (pinned by
+    id) is asked to free it at once; a call a router had placed is left to its decode engine
+    (vLLM's connector frees the KV of a request aborted before its pull), and a withdrawn
+    call can no longer be placed."""
+    import asyncio
+
+    from deployments.protocol import Sampling
+    from deployments.router_registry import handle_waits
+
+    client, pre, _ = wired
+    core = client.core
+    waits = handle_waits(core.app_name, "decode")
+    chunk = EngineChunk("x", (9,), "length", 3, 0, 0.01, KV, replica_id="prefill-7")
+
+    def end_before_first_chunk(rid: str, kv: dict[str, Any] | None = KV) -> list[EngineRequest]:
+        n = len(pre.released)
+        dreq = EngineRequest(rid, (1, 2, 3), Sampling(max_tokens=4), kv_transfer_params=kv)
+
+        async def go() -> None:
+            core._release_unsent(dreq, chunk)
+            await asyncio.gather(*core._background)
+
+        asyncio.run(go())
+        return pre.released[n:]
+
+    before = dict(client.get("/stats").json()["ingress"]["kv_released"])
+    sent = end_before_first_chunk("never-placed")
+    assert len(sent) == 1
+    assert sent[0].route is not None and sent[0].route.pin == "prefill-7"
+    assert sent[0].kv_transfer_params == KV
+    assert waits.place("never-placed", 0.0) is False  # a router can no longer place it
+    after = client.get("/stats").json()["ingress"]["kv_released"]
+    assert after["sent"] == before["sent"] + 1 and after["freed"] == before["freed"] + 1
+
+    assert waits.place("placed", 0.0) is True  # a router placed it: a decode engine has it
+    assert end_before_first_chunk("placed") == []
+    assert waits.pop("placed") is None  # its placement was taken with the withdrawal
+    assert end_before_first_chunk("no-kv", kv=None) == []  # nothing pinned for it

@@ -82,3 +82,41 @@ def test_an_armed_faulty_agent_fails_exactly_the_next_reads() -> None:
         assert nc.failed_on_purpose == before + 2
     finally:
         nc.fail_next_reads(0)
+
+
+def test_early_release_ends_the_lease_of_a_request_held_for_sending() -> None:
+    """The worker side of the early release: a released request held for a pull gets its
+    lease ended (vLLM's expiry path frees it in the same step); one the worker has not seen
+    yet is looked for in later steps, then given up; nothing else is touched."""
+    from engines.nixl_connector import RELEASE_WAIT_S, end_leases
+
+    worker = SimpleNamespace(_reqs_to_send={"a": 100.0, "other": 100.0})
+    pending: dict[str, float] = {}
+    assert end_leases(worker, pending, ("a", "late"), now=10.0) == ["a"]
+    assert worker._reqs_to_send == {"a": 0.0, "other": 100.0}
+    assert list(pending) == ["late"]
+    worker._reqs_to_send["late"] = 100.0  # its reqs_to_send came in a later step
+    assert end_leases(worker, pending, (), now=11.0) == ["late"]
+    assert pending == {} and worker._reqs_to_send["late"] == 0.0
+    assert end_leases(worker, pending, ("never",), now=20.0) == []
+    assert end_leases(worker, pending, (), now=20.0 + RELEASE_WAIT_S) == [] and pending == {}
+
+
+def test_release_is_queued_only_on_its_engine_for_a_finished_request() -> None:
+    from engines.nixl_connector import NixlConnector
+
+    class Req:
+        def __init__(self, finished: bool) -> None:
+            self.finished = finished
+
+        def is_finished(self) -> bool:
+            return self.finished
+
+    conn = SimpleNamespace(connector_scheduler=SimpleNamespace(engine_id="e1"), _to_release=set())
+    sched = SimpleNamespace(requests={"done": Req(True), "running": Req(False)})
+    release = NixlConnector.release_kv
+    assert release(conn, sched, "done", "e2") is False  # another engine's KV
+    assert release(conn, sched, "running", "e1") is False  # not finished: nothing pinned yet
+    assert release(conn, sched, "pulled", "e1") is False  # gone already (pulled or expired)
+    assert release(conn, sched, "done", "e1") is True
+    assert conn._to_release == {"done"}

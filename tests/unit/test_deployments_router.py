@@ -353,3 +353,47 @@ def test_a_cold_replica_gets_clients_only_once_warm_but_takes_its_pinned_warm_up
     dnew = replicas(d, "dnew", warm=False)[0]
     dreq = EngineRequest("y", (1, 2, 3), Sampling(max_tokens=4))
     assert choose(d, [dnew, dold], pending(dreq))[0] == ["dold"]
+
+
+def test_handle_waits_place_withdraw_and_pop_are_one_decision() -> None:
+    """A call is either placed by a router or withdrawn by the ingress, never both: the
+    first of the two wins, and a cold-start wait is reported only from MIN_S up."""
+    from deployments.router_registry import HandleWaits
+
+    w = HandleWaits()
+    assert w.place("a", 3.0) is True
+    assert w.withdraw("a") is False  # placed first: a decode engine has it
+    assert w.pop("a") is None  # the withdrawal took its entry
+    assert w.withdraw("b") is True  # never placed ...
+    assert w.place("b", 0.0) is False  # ... and now it never will be
+    assert w.place("c", 0.1) is True and w.pop("c") is None  # a routing decision, not a wait
+    assert w.place("d", 2.0) is True and w.pop("d") == 2.0 and w.pop("d") is None
+    assert len(w) == 0
+
+
+@pytest.mark.parametrize("cls", [DecodeRouter, ServeDefaultRouter])
+def test_a_withdrawn_or_held_call_gets_no_replica_and_serve_backs_off(cls: type) -> None:
+    """A call the ingress withdrew (its client left while it waited at the handle) is offered
+    no replica, with Serve told to back off (an empty answer without it is a loop that never
+    yields); so is every call while routing is held on purpose, and a call first seen during
+    the hold is placed once it ends."""
+    from deployments.router_registry import handle_waits, hold_routing
+
+    r = make(cls, "decode")
+    app = r._deployment_id.app_name
+    cands = replicas(r, "d1", "d2")
+    waits = handle_waits(app, "decode")
+    assert waits.withdraw("gone") is True
+    p = pending(EngineRequest("gone", (1, 2), Sampling(max_tokens=2)))
+    assert choose(r, cands, p) == []
+    assert p.routing_context.should_backoff is True
+    assert router_stats(app, "decode")["fallbacks"]["withdrawn_call_skipped"] == 1
+    hold_routing(app, "decode", 60)
+    try:
+        q = pending(EngineRequest("later", (1, 2), Sampling(max_tokens=2)))
+        assert choose(r, cands, q) == []
+        assert router_stats(app, "decode")["fallbacks"]["held_on_purpose"] == 1
+    finally:
+        hold_routing(app, "decode", 0)
+    assert choose(r, cands, q) != []  # the hold ended: placed
+    assert waits.withdraw("later") is False
