@@ -373,6 +373,52 @@ def test_a_decode_replica_gone_before_the_first_token_is_retried_on_another(
     )
 
 
+def test_a_prefill_replica_gone_mid_prefill_is_retried_on_another(
+    faults: dict[str, Any],
+) -> None:
+    """Requests inside one prefill replica (its engine wedged: their prefill has not run)
+    when it is killed are prefilled again by the other prefill replica (the ingress sends
+    them again under a new engine request id): every one completes, prefilled by the other
+    replica, with the same text as an undisturbed run. The retry logic itself is
+    unit-tested (``test_a_dead_replica_is_retried_elsewhere_only_before_the_client_got_anything``)."""
+    tally = REPORT.setdefault("prefill_killed_mid_prefill", Tally())
+    wait_until(lambda: full(faults), "two prefill replicas", 240)
+    ids = prompt(350, 2)
+    ref = tokens(call(faults, body(ids, 8), Tally(), key=REF_KEY))
+    victim = sorted(rows(faults, "prefill"))[0]
+    retries = stats(faults)["ingress"]["replica_retries"]["prefill"]
+    wedge("prefill", victim, 60)
+    outs: list[dict[str, Any]] = []
+    threads: list[threading.Thread] = []
+
+    def one(i: int) -> None:  # distinct prompts: each prefill is routed by load
+        outs.append(call(faults, body(prompt(360 + i, 2), 8), tally))
+
+    for wave in range(10):  # waves of two until the router has put some on the victim
+        for j in range(2):
+            threads.append(threading.Thread(target=one, args=(2 * wave + j,)))
+            threads[-1].start()
+        try:
+            wait_until(lambda: in_flight(rows(faults, "prefill")[victim]) > 0, "one held", 5)
+            break
+        except AssertionError:
+            continue
+    held = in_flight(rows(faults, "prefill")[victim])
+    assert held > 0
+    kill(victim, rows(faults, "prefill")[victim]["pid"])
+    for th in threads:
+        th.join(180)
+    assert tally.completed == tally.sent == len(threads), tally
+    # the victim held some of them and died: every one was prefilled by the other replica
+    assert all(o["pdserve"]["prefill_replica"] not in (None, victim) for o in outs), outs
+    again = call(faults, body(ids, 8), tally)  # and the prompt of before gives the same text
+    assert tokens(again) == ref
+    RETRIES["prefill_killed_mid_prefill"] = (
+        stats(faults)["ingress"]["replica_retries"]["prefill"] - retries,
+        held,
+    )
+
+
 def test_a_decode_replica_killed_mid_stream_ends_its_streams_with_an_error_event(
     faults: dict[str, Any],
 ) -> None:
