@@ -795,16 +795,20 @@ class IngressCore:
             Sampling(max_tokens=2, temperature=0.0, ignore_eos=True),
             cache_salt=f"pdserve-warmup:{p}:{d}",
         )
-        pre: EngineChunk = await self.prefill.prefill.remote(
-            replace(base, route=RouteHint(len(ids), None, 2, pin=p))
-        )
-        dreq = replace(
-            base,
-            kv_transfer_params=pre.kv_transfer_params,
-            route=RouteHint(len(ids), None, 2, pin=d),
-        )
-        async for _ in self.decode_stream.decode.remote(dreq):
-            pass
+        try:
+            pre: EngineChunk = await self.prefill.prefill.remote(
+                replace(base, route=RouteHint(len(ids), None, 2, pin=p))
+            )
+            dreq = replace(
+                base,
+                kv_transfer_params=pre.kv_transfer_params,
+                route=RouteHint(len(ids), None, 2, pin=d),
+            )
+            async for _ in self.decode_stream.decode.remote(dreq):
+                pass
+        finally:  # the routers' placements of both calls (no latency breakdown for these)
+            self.waits["prefill"].pop(rid)
+            self.waits[self._decode_dep].pop(rid)
 
     def inject_routing_hold(self, role: str, seconds: float) -> str:
         """Fault injection (``<role>.fault_injection: true`` only): this ingress's router of
@@ -1330,6 +1334,11 @@ class IngressCore:
     async def _run_prefill(self, prep: Prepared, hint: RouteHint, span: Any) -> EngineChunk:
         try:
             return await self._prefill_on_a_replica(prep, hint, span)
+        except BaseException:  # the call's placements, which _cold_wait takes on success
+            rid = prep.engine_rid
+            for k in range(self.cfg.ingress.replica_retries + 1):
+                self.waits["prefill"].pop(f"{rid}-retry{k}" if k else rid)
+            raise
         finally:
             span.end()
 

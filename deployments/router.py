@@ -134,6 +134,9 @@ class _Bookkeeping:
                 "inflight_reports": sum(len(v) for v in self.state.inflight.values()),
                 "inflight_prefixes": len(self.pending),
                 "replicas_seen": len(self._seen_ts),
+                # the deployment's placements not yet taken by the ingress (shared by this
+                # process's routers of the deployment: HandleWaits)
+                "placements": len(self.waits),
             }
 
     # -- Serve's hooks -----------------------------------------------------------------------
