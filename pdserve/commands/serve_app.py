@@ -592,3 +592,27 @@ def bench_soak(
     if plot_out is not None:
         plot(res, plot_out)
         typer.echo(f"plot: {plot_out}")
+
+
+@bench_app.command("proxy-control")
+def bench_proxy_control(
+    rate: float = typer.Option(25.0, min=0.1, help="Poisson arrivals per second."),
+    duration_s: float = typer.Option(120.0, "--duration", min=4, help="Seconds measured."),
+    warmup_s: float = typer.Option(60.0, "--warmup", min=0, help="Seconds of load before."),
+    delay_s: float = typer.Option(0.2, "--delay", min=0, help="The trivial app's answer time."),
+    port: int = typer.Option(8123, min=1, max=65535, help="Serve's HTTP port for this run."),
+    json_out: Path | None = typer.Option(None, "--json", help="Write the results as JSON here."),
+) -> None:
+    """The control for the soak's memory check: Ray Serve's proxy under the soak's requests
+    with a trivial app (no pdserve) on a Ray cluster of its own; its memory growth."""
+    from bench.proxy_control import run
+    from pdserve.output import write_json
+
+    res = run(rate=rate, duration_s=duration_s, warmup_s=warmup_s, delay_s=delay_s, port=port)
+    typer.echo(
+        f"proxy control (Ray Serve with a trivial app, no pdserve): {res['sent']} requests at "
+        f"{res['rate_rps']:.1f}/s, {res['completed']} completed; proxy "
+        f"{res['proxy_start_mib']:.0f} -> {res['proxy_end_mib']:.0f} MiB "
+        f"({100 * (res['proxy_growth'] or 0):.1f}%, {res['proxy_kib_per_request']:.2f} KiB/request)"
+    )
+    write_json(json_out, res)

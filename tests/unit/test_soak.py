@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import httpx
 
 from bench.soak import _classify, _reason
@@ -31,3 +33,13 @@ def test_a_ray_actor_keeps_one_name_whatever_method_it_runs() -> None:
     assert process_name(base + ".handle_request_with_rejection", "python") == base
     assert process_name("ray::ServeController.listen_for_change", "x") == "ray::ServeController"
     assert process_name("/usr/bin/redis-server", "redis-server") == "redis-server"
+
+
+def test_the_proxy_control_reads_only_serves_proxy(monkeypatch: Any) -> None:
+    import bench.proxy_control as pc
+
+    fake = {"ray::ProxyActor[1]": 3 * 2**20, "ray::ServeReplica:control:control[2]": 9 * 2**20}
+    monkeypatch.setattr(pc, "rss", lambda: fake)
+    assert pc.proxy_rss() == 3 * 2**20
+    monkeypatch.setattr(pc, "rss", dict)
+    assert pc.proxy_rss() == 0
