@@ -18,11 +18,12 @@ soak's 4,054 at 1.0x and 1.5x of 27.4/s (``pdserve bench soak --duration 120``, 
 |---|---|---|---|
 | control, answers after 1 s (~34 in flight) | 175 -> 178 | 1.7% | 0.75 |
 | control, answers after 8 s (~270 in flight) | 204 -> 208 | 2.1% | 1.08 |
+| control, 8 s, 2 replicas, 12% answered 503 | 203 -> 208 | 2.9% | 1.49 |
 | pdserve soak (2 ingress replicas, 299 x 503) | 258 -> 272 | 5.3% | 3.5 |
 
-So Ray's proxy grows on its own (about 1 KiB a request, more with more requests in flight),
-and about three times as much in front of pdserve; what makes the difference (two ingress
-replicas, the 503 answers, the bodies) is not yet found.
+So Ray's proxy grows on its own (1-1.5 KiB a request, more with more requests in flight,
+more replicas and 503 answers), and about 2.5 times that in front of pdserve; what makes
+the rest of the difference is not yet found.
 
 Real Ray and Serve, no engine: nothing here is simulated.
 """
@@ -43,18 +44,24 @@ from bench.soak import _open_loop, _prompt, rss
 ANSWER_TEXT = "x" * 64
 
 
-def build_app(delay_s: float) -> Any:
-    """The trivial app: FastAPI behind Serve's proxy, one replica."""
+def build_app(delay_s: float, replicas: int = 1, refuse: float = 0.0) -> Any:
+    """The trivial app: FastAPI behind Serve's proxy on ``replicas`` replicas; a share
+    ``refuse`` of the requests is answered 503 with ``Retry-After`` at once (as pdserve's
+    overload control does)."""
     from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
     from ray import serve
 
     api = FastAPI()
 
-    @serve.deployment(name="control", max_ongoing_requests=4096)
+    @serve.deployment(name="control", num_replicas=replicas, max_ongoing_requests=4096)
     @serve.ingress(api)
     class Control:
         @api.post("/v1/completions")
-        async def complete(self, body: dict[str, Any]) -> dict[str, Any]:
+        async def complete(self, body: dict[str, Any]) -> Any:
+            if refuse and random.random() < refuse:
+                msg = {"error": {"message": "overloaded", "type": "overloaded", "code": 503}}
+                return JSONResponse(msg, status_code=503, headers={"Retry-After": "1"})
             await asyncio.sleep(delay_s)
             n = len(body.get("prompt") or ())
             return {
@@ -79,6 +86,8 @@ def run(
     warmup_s: float = 60.0,
     delay_s: float = 0.2,
     port: int = 8123,
+    replicas: int = 1,
+    refuse: float = 0.0,
     documents: int = 8,
     doc_tokens: int = 512,
     question_tokens: int = 24,
@@ -103,7 +112,7 @@ def run(
     ray.init(include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(delay_s), name="control", route_prefix="/")
+        serve.run(build_app(delay_s, replicas, refuse), name="control", route_prefix="/")
         with tqdm(total=int(rate * warmup_s), desc="warm-up", unit="req") as bar:
             warm = asyncio.run(_open_loop(url, None, bodies, rate, warmup_s, seed, bar))
         time.sleep(2.0)
@@ -119,6 +128,9 @@ def run(
     return {
         "simulated": False,
         "rate_rps": rate,
+        "replicas": replicas,
+        "refuse": refuse,
+        "refused": sum(1 for _, w, _ in got if w == "503"),
         "duration_s": duration_s,
         "warmup_s": warmup_s,
         "warmup_sent": len(warm),

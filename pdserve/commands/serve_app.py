@@ -601,6 +601,10 @@ def bench_proxy_control(
     warmup_s: float = typer.Option(60.0, "--warmup", min=0, help="Seconds of load before."),
     delay_s: float = typer.Option(0.2, "--delay", min=0, help="The trivial app's answer time."),
     port: int = typer.Option(8123, min=1, max=65535, help="Serve's HTTP port for this run."),
+    replicas: int = typer.Option(1, min=1, max=64, help="Replicas of the trivial app."),
+    refuse: float = typer.Option(
+        0.0, min=0.0, max=1.0, help="Share of requests answered 503 with Retry-After at once."
+    ),
     json_out: Path | None = typer.Option(None, "--json", help="Write the results as JSON here."),
 ) -> None:
     """The control for the soak's memory check: Ray Serve's proxy under the soak's requests
@@ -608,10 +612,18 @@ def bench_proxy_control(
     from bench.proxy_control import run
     from pdserve.output import write_json
 
-    res = run(rate=rate, duration_s=duration_s, warmup_s=warmup_s, delay_s=delay_s, port=port)
+    res = run(
+        rate=rate,
+        duration_s=duration_s,
+        warmup_s=warmup_s,
+        delay_s=delay_s,
+        port=port,
+        replicas=replicas,
+        refuse=refuse,
+    )
     typer.echo(
         f"proxy control (Ray Serve with a trivial app, no pdserve): {res['sent']} requests at "
-        f"{res['rate_rps']:.1f}/s, {res['completed']} completed; proxy "
+        f"{res['rate_rps']:.1f}/s, {res['completed']} completed, {res['refused']} refused; proxy "
         f"{res['proxy_start_mib']:.0f} -> {res['proxy_end_mib']:.0f} MiB "
         f"({100 * (res['proxy_growth'] or 0):.1f}%, {res['proxy_kib_per_request']:.2f} KiB/request)"
     )
