@@ -32,13 +32,12 @@ from __future__ import annotations
 
 import asyncio
 import random
-import threading
 import time
 from typing import Any
 
 from tqdm import tqdm
 
-from bench.soak import _open_loop, _prompt, rss
+from bench.soak import _open_loop, request_bodies, rss
 
 #: the answer's body: about the size of a pdserve completion of 16 tokens with its usage
 ANSWER_TEXT = "x" * 64
@@ -98,16 +97,7 @@ def run(
     import ray
     from ray import serve
 
-    rng = random.Random(seed)
-    docs = [[rng.randrange(10, 1000) for _ in range(doc_tokens)] for _ in range(documents)]
-    zipf = [1.0 / (i + 1) for i in range(documents)]
-    lock = threading.Lock()
-
-    def bodies() -> dict[str, Any]:
-        with lock:
-            ids = _prompt(rng, docs, zipf, question_tokens)
-        return {"model": "test", "prompt": ids, "max_tokens": 16, "ignore_eos": True}
-
+    bodies = request_bodies(seed, documents, doc_tokens, question_tokens, 16)
     url = f"http://127.0.0.1:{port}"
     ray.init(include_dashboard=False, log_to_driver=False)
     try:

@@ -43,6 +43,7 @@ import re
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,24 @@ FOLLOWED = ("ray::", "raylet", "gcs_server", "redis-server")
 def _prompt(rng: random.Random, docs: list[list[int]], zipf: list[float], q: int) -> list[int]:
     doc = rng.choices(docs, weights=zipf)[0]
     return doc + [rng.randrange(10, 1000) for _ in range(q)]
+
+
+def request_bodies(
+    seed: int, documents: int, doc_tokens: int, question_tokens: int, max_tokens: int
+) -> Callable[[], dict[str, Any]]:
+    """The soak's requests, one per call (thread-safe): a document drawn by a Zipf law from
+    ``documents`` shared ones, then a question of its own (RAG-like prefix reuse)."""
+    rng = random.Random(seed)
+    docs = [[rng.randrange(10, 1000) for _ in range(doc_tokens)] for _ in range(documents)]
+    zipf = [1.0 / (i + 1) for i in range(documents)]
+    lock = threading.Lock()
+
+    def bodies() -> dict[str, Any]:
+        with lock:
+            ids = _prompt(rng, docs, zipf, question_tokens)
+        return {"model": "test", "prompt": ids, "max_tokens": max_tokens, "ignore_eos": True}
+
+    return bodies
 
 
 def _classify(r: httpx.Response) -> str:
@@ -254,16 +273,7 @@ def run(
     seed: int = 0,
 ) -> dict[str, Any]:
     """The report (see the module docstring)."""
-    rng = random.Random(seed)
-    docs = [[rng.randrange(10, 1000) for _ in range(doc_tokens)] for _ in range(documents)]
-    zipf = [1.0 / (i + 1) for i in range(documents)]
-    lock = threading.Lock()
-
-    def bodies() -> dict[str, Any]:
-        with lock:
-            ids = _prompt(rng, docs, zipf, question_tokens)
-        return {"model": "test", "prompt": ids, "max_tokens": max_tokens, "ignore_eos": True}
-
+    bodies = request_bodies(seed, documents, doc_tokens, question_tokens, max_tokens)
     report: dict[str, Any] = {
         "simulated": False,
         "url": url,
