@@ -20,7 +20,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -155,10 +155,23 @@ def rows(app: dict[str, Any], role: str) -> dict[str, dict[str, Any]]:
 
 
 def full(app: dict[str, Any]) -> bool:
+    """Two replicas of each role, every prefill -> decode pair warmed: a replacement
+    replica's warm-up calls would otherwise land in a test's counts (its ``requests``, its
+    pinned KV) as if they were the test's own request."""
     try:
-        return len(rows(app, "prefill")) == 2 and len(rows(app, "decode")) == 2
+        s = stats(app)
     except httpx.HTTPError:
         return False
+    live = {
+        role: [r["id"] for r in s["replicas"][role] if "requests" in r]
+        for role in ("prefill", "decode")
+    }
+    pairs = {f"{p}->{d}" for p in live["prefill"] for d in live["decode"]}
+    return (
+        len(live["prefill"]) == 2
+        and len(live["decode"]) == 2
+        and pairs <= set(s["ingress"]["warm_up"]["pairs_warmed"])
+    )
 
 
 def pinned(app: dict[str, Any], replica: str) -> int:
@@ -263,6 +276,47 @@ def kill(replica_id: str, pid: int | None = None) -> None:
     wait_until(lambda: not any(_alive(k) for k in kids), f"{kids} gone with the replica", 30)
 
 
+def open_stream(app: dict[str, Any], b: dict[str, Any]) -> socket.socket:
+    """Send one request on a raw socket and leave it open (the test closes it: a client
+    that goes away without reading)."""
+    raw = json.dumps(b).encode()
+    host, port = app["url"].removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    sock.sendall(
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(raw)}\r\n\r\n".encode()
+        + raw
+    )
+    return sock
+
+
+def kill_once_held(
+    app: dict[str, Any],
+    role: str,
+    victim: str,
+    one: Callable[[int], None],
+    threads: list[threading.Thread],
+) -> int:
+    """Start requests (``one(i)``, each on a thread added to ``threads``) in waves of two
+    until the router has put some on the wedged ``victim``, kill it, and wait for every
+    request to end; how many the victim held."""
+    for wave in range(10):
+        for j in range(2):
+            threads.append(threading.Thread(target=one, args=(2 * wave + j,)))
+            threads[-1].start()
+        try:
+            wait_until(lambda: in_flight(rows(app, role)[victim]) > 0, "one held", 5)
+            break
+        except AssertionError:
+            continue
+    held = in_flight(rows(app, role)[victim])
+    assert held > 0
+    kill(victim, rows(app, role)[victim]["pid"])
+    for th in threads:
+        th.join(180)
+    return held
+
+
 def _alive(proc: Any) -> bool:
     """Running, not a zombie waiting for a reaper (a container's init may not reap)."""
     import psutil
@@ -346,23 +400,10 @@ def test_a_decode_replica_gone_before_the_first_token_is_retried_on_another(
     outs: list[dict[str, Any]] = []
     threads: list[threading.Thread] = []
 
-    def one() -> None:
+    def one(_: int) -> None:
         outs.append(call(faults, body(ids, 8), tally))
 
-    for _ in range(10):  # waves of two until the router has put some on the victim
-        for _ in range(2):
-            threads.append(threading.Thread(target=one))
-            threads[-1].start()
-        try:
-            wait_until(lambda: in_flight(rows(faults, "decode")[victim]) > 0, "one held", 5)
-            break
-        except AssertionError:
-            continue
-    held = in_flight(rows(faults, "decode")[victim])
-    assert held > 0
-    kill(victim, rows(faults, "decode")[victim]["pid"])
-    for th in threads:
-        th.join(180)
+    held = kill_once_held(faults, "decode", victim, one, threads)
     assert tally.completed == tally.sent == len(threads), tally
     assert all(tokens(o) == ref for o in outs)
     # the victim held some of them and died: every one was decoded by the other replica
@@ -394,20 +435,7 @@ def test_a_prefill_replica_gone_mid_prefill_is_retried_on_another(
     def one(i: int) -> None:  # distinct prompts: each prefill is routed by load
         outs.append(call(faults, body(prompt(360 + i, 2), 8), tally))
 
-    for wave in range(10):  # waves of two until the router has put some on the victim
-        for j in range(2):
-            threads.append(threading.Thread(target=one, args=(2 * wave + j,)))
-            threads[-1].start()
-        try:
-            wait_until(lambda: in_flight(rows(faults, "prefill")[victim]) > 0, "one held", 5)
-            break
-        except AssertionError:
-            continue
-    held = in_flight(rows(faults, "prefill")[victim])
-    assert held > 0
-    kill(victim, rows(faults, "prefill")[victim]["pid"])
-    for th in threads:
-        th.join(180)
+    held = kill_once_held(faults, "prefill", victim, one, threads)
     assert tally.completed == tally.sent == len(threads), tally
     # the victim held some of them and died: every one was prefilled by the other replica
     assert all(o["pdserve"]["prefill_replica"] not in (None, victim) for o in outs), outs
@@ -556,14 +584,7 @@ def test_a_client_that_goes_away_frees_both_engines(faults: dict[str, Any]) -> N
     for rid in decodes:
         wedge("decode", rid, wedge_s)
     wedge_end = time.monotonic() + wedge_s  # the last wedge's end (each returns at once)
-    raw = json.dumps(body(prompt(700, 4), 64, stream=True)).encode()
-    host, port = faults["url"].removeprefix("http://").split(":")
-    sock = socket.create_connection((host, int(port)), timeout=30)
-    sock.sendall(
-        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
-        f"Content-Type: application/json\r\nContent-Length: {len(raw)}\r\n\r\n".encode()
-        + raw
-    )
+    sock = open_stream(faults, body(prompt(700, 4), 64, stream=True))
 
     def holder() -> str | None:
         """The prefill replica that served it, once both roles' reports show it."""
@@ -615,14 +636,7 @@ def test_a_client_that_leaves_while_its_decode_call_waits_for_a_replica_frees_th
     ingress = serve.get_deployment_handle("ingress", app_name=APP)
     ingress.inject_routing_hold.remote("decode", 120).result(timeout_s=30)
     try:
-        raw = json.dumps(body(prompt(710, 4), 16, stream=True)).encode()
-        host, port = faults["url"].removeprefix("http://").split(":")
-        sock = socket.create_connection((host, int(port)), timeout=30)
-        sock.sendall(
-            f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}"
-            f"\r\nContent-Type: application/json\r\nContent-Length: {len(raw)}\r\n\r\n".encode()
-            + raw
-        )
+        sock = open_stream(faults, body(prompt(710, 4), 16, stream=True))
 
         def holder() -> str | None:
             now = rows(faults, "prefill")
