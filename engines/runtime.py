@@ -65,8 +65,9 @@ def load_report(scheduler: Any) -> dict[str, Any]:
     yet computed, less their cached prefix when a plug-in's prefix probe is there),
     ``free_kv_blocks``,
     ``total_kv_blocks``, ``kv_usage``, ``kv_pinned_requests`` (finished requests whose blocks
-    the engine still holds: on a prefill engine, KV pinned for a decode engine's pull), and for a TWP gate ``window_tokens`` and ``token_load``
-    (``None`` without one: no pacing limit).
+    the engine still holds: on a prefill engine, KV pinned for a decode engine's pull), and
+    for a TWP gate ``window_tokens`` and ``token_load`` (``None`` without one: no pacing
+    limit).
     """
     pool = scheduler.kv_cache_manager.block_pool
     waiting = list(scheduler.waiting)
