@@ -411,6 +411,10 @@ def test_a_decode_replica_gone_before_the_first_token_is_retried_on_another(
     assert all(tokens(o) == ref for o in outs)
     # the victim held some of them and died: every one was decoded by the other replica
     assert all(o["pdserve"]["decode_replica"] not in (None, victim) for o in outs), outs
+    # reported, not asserted: Serve itself re-routes a call whose replica died before its
+    # acceptance reached the router (ray.serve's router), which the ingress never sees, and
+    # the in-flight count read here can lag; one async_llm run counted 0 for 1 held, and every
+    # request still completed on the other replica
     RETRIES["decode_killed_before_first_token"] = (
         stats(faults)["ingress"]["replica_retries"]["decode"] - retries,
         held,
