@@ -25,12 +25,20 @@ So Ray's proxy grows on its own (1-1.5 KiB a request, more with more requests in
 more replicas and 503 answers), and about 2.5 times that in front of pdserve; what makes
 the rest of the difference is not yet found.
 
+CPU contention (``--busy-cores N``: N processes spin a core each; stop 34, answers after
+1 s): idle cores 177 -> 180 MiB (1.9%, 0.87 KiB/request); one core spinning 1.3-2.0%
+(0.58-0.89 KiB/request, two runs). With both cores spinning the proxy falls behind (1,153
+and 2,389 of 4,046 answered), Serve's controller kills and restarts it, and its memory is
+no longer comparable (one run read no proxy at the baseline, one 219 -> 313 MiB). So one
+busy core does not explain pdserve's share; a proxy starved of both cores would.
+
 Real Ray and Serve, no engine: nothing here is simulated.
 """
 
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import random
 import time
 from typing import Any
@@ -74,6 +82,21 @@ def build_app(delay_s: float, replicas: int = 1, refuse: float = 0.0) -> Any:
     return Control.bind()
 
 
+def _spin() -> None:
+    while True:
+        pass
+
+
+def busy(n: int) -> list[Any]:
+    """``n`` started processes that each keep one core busy (daemonic: they end with this
+    one at the latest; spawned, so they carry none of Ray's threads or signal handlers)."""
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_spin, daemon=True) for _ in range(n)]
+    for p in procs:
+        p.start()
+    return procs
+
+
 def proxy_rss() -> int:
     """Resident bytes of this machine's Serve proxy (0 when none is running)."""
     return sum(v for k, v in rss().items() if k.startswith("ray::ProxyActor"))
@@ -91,18 +114,23 @@ def run(
     doc_tokens: int = 512,
     question_tokens: int = 24,
     seed: int = 0,
+    busy_cores: int = 0,
 ) -> dict[str, Any]:
     """Start Ray and Serve here, load the trivial app, and measure the proxy (see the module
-    docstring). Ray is shut down at the end."""
+    docstring). ``busy_cores`` processes spin from the warm-up to the end of the measured run,
+    as pdserve's engines keep this machine's cores busy in the soak. Ray is shut down at the
+    end."""
     import ray
     from ray import serve
 
     bodies = request_bodies(seed, documents, doc_tokens, question_tokens, 16)
     url = f"http://127.0.0.1:{port}"
     ray.init(include_dashboard=False, log_to_driver=False)
+    spinners: list[Any] = []
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build_app(delay_s, replicas, refuse), name="control", route_prefix="/")
+        spinners = busy(busy_cores)
         with tqdm(total=int(rate * warmup_s), desc="warm-up", unit="req") as bar:
             warm = asyncio.run(_open_loop(url, None, bodies, rate, warmup_s, seed, bar))
         time.sleep(2.0)
@@ -112,6 +140,8 @@ def run(
         time.sleep(2.0)
         end = proxy_rss()
     finally:
+        for p in spinners:
+            p.terminate()
         serve.shutdown()
         ray.shutdown()
     ok = sum(1 for _, w, _ in got if w == "200")
@@ -120,6 +150,7 @@ def run(
         "rate_rps": rate,
         "replicas": replicas,
         "refuse": refuse,
+        "busy_cores": busy_cores,
         "refused": sum(1 for _, w, _ in got if w == "503"),
         "duration_s": duration_s,
         "warmup_s": warmup_s,

@@ -605,6 +605,9 @@ def bench_proxy_control(
     refuse: float = typer.Option(
         0.0, min=0.0, max=1.0, help="Share of requests answered 503 with Retry-After at once."
     ),
+    busy_cores: int = typer.Option(
+        0, min=0, max=256, help="Processes spinning a core each from the warm-up to the end."
+    ),
     json_out: Path | None = typer.Option(None, "--json", help="Write the results as JSON here."),
 ) -> None:
     """The control for the soak's memory check: Ray Serve's proxy under the soak's requests
@@ -620,6 +623,7 @@ def bench_proxy_control(
         port=port,
         replicas=replicas,
         refuse=refuse,
+        busy_cores=busy_cores,
     )
     typer.echo(
         f"proxy control (Ray Serve with a trivial app, no pdserve): {res['sent']} requests at "

@@ -43,3 +43,17 @@ def test_the_proxy_control_reads_only_serves_proxy(monkeypatch: Any) -> None:
     assert pc.proxy_rss() == 3 * 2**20
     monkeypatch.setattr(pc, "rss", dict)
     assert pc.proxy_rss() == 0
+
+
+def test_the_proxy_controls_busy_cores_spin_until_terminated() -> None:
+    import bench.proxy_control as pc
+
+    procs = pc.busy(2)
+    try:
+        assert len(procs) == 2 and all(p.is_alive() for p in procs)
+    finally:
+        for p in procs:
+            p.terminate()
+            p.join(10)
+    assert not any(p.is_alive() for p in procs)
+    assert pc.busy(0) == []
