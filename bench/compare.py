@@ -60,7 +60,7 @@ from typing import Any
 import yaml
 
 from bench.live import LiveRequest, replay, summarize, write_report
-from deployments.local import local_env, venv_bin
+from deployments.local import local_env, venv_bin, with_allocator
 
 #: The like-for-like reference: the denominator of every ratio.
 REFERENCE = "peer-connector"
@@ -479,7 +479,8 @@ def measure(
     env = local_env()
     down()  # nothing of an earlier system (or run) stays up
     watch = ProcessWatch()
-    metrics_port = start_ray(env)
+    # both systems' heads on the allocator ``pdserve up`` gives its head (deployments/local.py)
+    metrics_port = start_ray(with_allocator(env, "jemalloc"))
     try:
         url = "http://{host}:{port}".format(
             host=(config.get("http_options") or {}).get("host", "127.0.0.1"),

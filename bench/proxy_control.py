@@ -22,8 +22,13 @@ soak's 4,054 at 1.0x and 1.5x of 27.4/s (``pdserve bench soak --duration 120``, 
 | pdserve soak (2 ingress replicas, 299 x 503) | 258 -> 272 | 5.3% | 3.5 |
 
 So Ray's proxy grows on its own (1-1.5 KiB a request, more with more requests in flight,
-more replicas and 503 answers), and about 2.5 times that in front of pdserve; what makes
-the rest of the difference is not yet found.
+more replicas and 503 answers), and about 2.5 times that in front of pdserve. These runs were
+on glibc's malloc. Stop 35 found what the growth is (``scripts/proxy_memory_probe.py``): the
+proxy's live Python memory stays flat while glibc keeps the memory freed after each peak of
+requests in flight (one ``malloc_trim(0)`` gave back 99 MiB), so more in flight, longer, as in
+front of pdserve's queues, grows it more. ``pdserve up`` now runs its head on Ray's jemalloc
+(``deployments/local.py``); this control starts its own head with ``ray.init`` and stays on
+the allocator of the shell that runs it.
 
 CPU contention (``--busy-cores N``: N processes spin a core each; stop 34, answers after
 1 s): idle cores 177 -> 180 MiB (1.9%, 0.87 KiB/request); one core spinning 1.3-2.0%

@@ -58,6 +58,35 @@ def test_each_engine_runs_on_the_runtime_asked_for(pd_app: dict[str, Any]) -> No
             assert st["engine_pid"] == st["pid"], st
 
 
+def test_serves_proxy_and_both_engines_run_on_rays_jemalloc(pd_app: dict[str, Any]) -> None:
+    """The session cluster is started as ``pdserve up`` starts a head (deployments/local.py):
+    Serve's HTTP proxy, each engine replica and, under async_llm, its engine-core process
+    map Ray's ``libjemalloc.so``, so their freed memory goes back to the system."""
+    import os
+
+    import ray
+
+    from deployments.local import ray_jemalloc
+
+    lib = str(ray_jemalloc())
+    proxies = [
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["name"].startswith("SERVE_PROXY_ACTOR")
+    ]
+    assert proxies
+    pids = {
+        n: ray.get(ray.get_actor(n, namespace="serve").__ray_call__.remote(lambda _: os.getpid()))
+        for n in proxies
+    }
+    for role in ("prefill", "decode"):
+        st = pd_app[role].stats.remote().result(timeout_s=30)
+        pids[role] = st["pid"]
+        pids[f"{role} engine"] = st["engine_pid"]
+    for what, pid in pids.items():
+        assert lib in Path(f"/proc/{pid}/maps").read_text(), (what, pid)
+
+
 def test_completion_non_streaming(pd_app: dict[str, Any]) -> None:
     r = client(pd_app).completions.create(
         model="test",

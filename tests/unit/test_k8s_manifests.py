@@ -342,3 +342,7 @@ def test_dockerfiles_pass_hadolint(dockerfile: str) -> None:
         timeout=60,
     )
     assert bad.returncode != 0 and "DL3006" in bad.stdout
+    # every process of the pod on Ray's jemalloc, as a head `pdserve up` starts
+    text = (K8S / dockerfile).read_text()
+    assert "LD_PRELOAD=/opt/pdserve/libjemalloc.so" in text
+    assert '"core", "libjemalloc.so"))\')" /opt/pdserve/libjemalloc.so' in text
