@@ -30,6 +30,21 @@ Model (issue #5; the numbers come from the engine profile, see
   that does not fit or ``max_num_seqs`` is reached.
 - The serverless pool (:mod:`bench.serverless_pool`) is shared by all policies.
 
+TTFT is reported two ways (both simulated):
+
+- ``ttft``: from the request's arrival to its first token, what a client sees (the wait at
+  the router and in the engine's queue, the rest of the step in flight, the cold start);
+- ``ttft_eq1``: the TWP paper's own definition, Eq. (1): ``TTFT_i = cs_i + sum of l_k for
+  k from t0``, the cold-start delay the request waited for plus the latencies of the steps
+  from its admission step ``t0`` through the step that emits its first token. The paper's
+  sum runs to ``t0 + ceil(p_i / C)``, one step more than the chunks; we end at the step
+  that finishes the prompt, because that step emits the first token (as in vLLM), so a
+  one-chunk prompt counts one step. The wait before admission (TWP's window holding it)
+  and the rest of the step in flight at arrival are *not* in Eq. (1). ``t0`` is the first
+  admission into the decode engine's running set; a preempted request keeps its first
+  ``t0``. In ``pd`` mode that excludes the prefill engine and the KV transfer too, so
+  there ``ttft_eq1`` is only the decode side's share.
+
 Metrics per policy: TTFT and end-to-end latency STATS (s, :func:`bench.stats.summarize`),
 per-step ITL mean, p99 and CV (std / mean over steps that decoded >= 1 request, all
 containers pooled), throughput in requests and generated tokens per second of wall time
@@ -110,6 +125,8 @@ class _Req:
     inject: bool = False
     wait_steps: int = 0
     wait_since_s: float = 0.0
+    cold_s: float = 0.0
+    admit_s: float | None = None
     first_token_s: float | None = None
     finish_s: float | None = None
 
@@ -143,6 +160,7 @@ class PolicyResult:
 
     ttft: list[float]
     e2e: list[float]
+    ttft_eq1: list[float]
     itl: list[float]
     itl_t: list[float]
     generated_tokens: int
@@ -226,6 +244,11 @@ class DecodeSimulator:
         return PolicyResult(
             ttft=[r.first_token_s - r.src.arrival_s for r in reqs if r.first_token_s is not None],
             e2e=[r.finish_s - r.src.arrival_s for r in self.done if r.finish_s is not None],
+            ttft_eq1=[
+                r.cold_s + r.first_token_s - r.admit_s
+                for r in reqs
+                if r.first_token_s is not None and r.admit_s is not None
+            ],
             itl=self.itl,
             itl_t=self.itl_t,
             generated_tokens=sum(r.generated for r in reqs),
@@ -287,6 +310,8 @@ class DecodeSimulator:
         slot.outstanding += 1
         if not slot.warm and not slot.starting:
             self._push(self.pool.start(idx, self.now), "ready", idx)
+        if not slot.warm:  # Eq. (1)'s cs_i: the cold start this request waits for
+            r.cold_s = max(0.0, slot.ready_at_s - self.now)
         if self.cfg.mode == "pd":
             r.pd_prefill_left = r.src.prompt_tokens
             e.prefill_q.append(r)
@@ -406,6 +431,8 @@ class DecodeSimulator:
                 break  # the allocator delays this one and everything after it
             e.free_blocks -= need
             r.blocks = need
+            if r.admit_s is None:
+                r.admit_s = self.now  # Eq. (1)'s t0: this step starts now
             e.running.append(r)
             taken.add(r.rid)
         if taken:
@@ -532,6 +559,7 @@ def summarize_result(res: PolicyResult) -> dict[str, Any]:
         }
     return {
         "ttft": summarize(res.ttft),
+        "ttft_eq1": summarize(res.ttft_eq1),
         "e2e": summarize(res.e2e),
         "itl": itl_block,
         "throughput_rps": res.completed / res.wall_s,
@@ -716,6 +744,7 @@ def run_experiment(
         pooled = PolicyResult(
             ttft=[x for r in results for x in r.ttft],
             e2e=[x for r in results for x in r.e2e],
+            ttft_eq1=[x for r in results for x in r.ttft_eq1],
             itl=[x for r in results for x in r.itl],
             itl_t=[],
             generated_tokens=sum(r.generated_tokens for r in results),

@@ -9,9 +9,13 @@ Calibration fits only the *workload and the engine model*, never the policy unde
 - Fairway's flood (``flood-paper``): the backlog size and the flood's load, fitted on FCFS,
   LPM, RAGCache and PEEK (:data:`FLOOD_TARGETS`).
 - TWP's headline run (V100, Llama-3.2-3B, GSM8K, Poisson 18 req/s for 60 s): the decode
-  step-cost slope beyond ``B0`` (``alpha``) and whether the serverless pool starts warm (do
-  cold starts enter TTFT), fitted on FCFS, DynamicBatch and ServerlessLLM
-  (:data:`TWP_TARGETS`, the paper's Fig. 5 and Fig. 7).
+  step-cost slope beyond ``B0`` (``alpha``), whether the serverless pool starts warm (do
+  cold starts enter TTFT), and how TTFT is counted (``ttft_eq1``: 0, from arrival; 1, the
+  paper's own Eq. (1), the cold start plus the steps from the admission step, see
+  :mod:`bench.decode_sim`), fitted on FCFS, DynamicBatch and ServerlessLLM
+  (:data:`TWP_TARGETS`, the paper's Fig. 5 and Fig. 7). The accounting is a measurement
+  choice, not a policy parameter: it is chosen on the baselines like the rest, and the
+  report prints every policy's TTFT both ways.
 
 The calibration functions refuse to run Fairway or TWP (:func:`_baselines_only`); the
 policies keep their frozen parameters (Fairway 4 / 3 / 1 s; TWP the paper's). Fitting uses
@@ -128,10 +132,11 @@ FLOOD_GRID: dict[str, tuple[float, ...]] = {
 TWP_GRID: dict[str, tuple[float, ...]] = {
     "alpha_s": (0.0, 2e-5, 5e-5, 1e-4, 3e-4, 1e-3, 5.375e-3),
     "warm": (1, 4),
+    "ttft_eq1": (0, 1),
 }
 #: ``twp-paper``: the decode engine model fitted on the TWP baselines (see the module
 #: docstring); ``alpha_s`` replaces the profile's slope, ``warm`` containers start warm.
-TWP_CALIBRATED: dict[str, float] = {"alpha_s": 0.0, "warm": 4}
+TWP_CALIBRATED: dict[str, float] = {"alpha_s": 2e-5, "warm": 4, "ttft_eq1": 1}
 
 
 def _baselines_only(policies: Iterable[str]) -> list[str]:
@@ -142,9 +147,18 @@ def _baselines_only(policies: Iterable[str]) -> list[str]:
     return out
 
 
-def _stat(block: dict[str, Any], t: Target) -> float | None:
+def twp_ttft_key(params: dict[str, float]) -> str:
+    """The decode report's TTFT block that ``params`` count TTFT by (``ttft_eq1``: Eq. (1))."""
+    return "ttft_eq1" if params.get("ttft_eq1") else "ttft"
+
+
+def _stat(block: dict[str, Any], t: Target, params: dict[str, float]) -> float | None:
     """The value ``t`` reads from a policy's report block (prefill or decode)."""
-    v = block[t.key][t.stat] if t.experiment == "twp" else block["ttft"][t.key][t.stat]
+    if t.experiment == "twp":
+        key = twp_ttft_key(params) if t.key == "ttft" else t.key
+        v = block[key][t.stat]
+    else:
+        v = block["ttft"][t.key][t.stat]
     return None if v is None else float(v)
 
 
@@ -264,7 +278,7 @@ def calibrate(
         for seed in seeds:
             rep, _, _ = RUNNERS[experiment](seed, params, policies, quick)
             for t in targets:
-                v = _stat(rep["policies"][t.policy], t)
+                v = _stat(rep["policies"][t.policy], t, params)
                 values[t.label].append(v)
                 loss += t.miss(v)
             bar.update(1)
@@ -426,7 +440,10 @@ TWP_BASELINES = ("fcfs", "round_robin", "priority", "dynamic_batch", "serverless
 
 
 def twp_rows(reports: dict[int, dict[str, Any]]) -> list[list[str]]:
-    """TWP's headline run: Fig. 5 / Fig. 7 values, then the paper's consistent directions."""
+    """TWP's headline run: Fig. 5 / Fig. 7 values, then the paper's consistent directions.
+
+    TTFT is printed both ways (:mod:`bench.decode_sim`): by the paper's Eq. (1) and from
+    arrival; the two differ by the wait before admission, which is TWP's own doing."""
     paper_p50 = {
         "fcfs": 49,
         "round_robin": 50,
@@ -447,19 +464,20 @@ def twp_rows(reports: dict[int, dict[str, Any]]) -> list[list[str]]:
     for seed, rep in reports.items():
         pol = rep["policies"]
         for p in ("fcfs", "dynamic_batch", "serverlessllm", "twp"):
-            for stat, paper in (("p50", paper_p50[p]), ("p99", paper_p99[p])):
-                rows.append(
-                    _figure_row(
-                        f"{p} TTFT {stat} (ms)",
-                        f"seed {seed}",
-                        str(paper),
-                        pol[p]["ttft"][stat],
-                        paper / 1e3,
-                        paper / 1e3,
-                        slack=0.1,
-                        unit="ms",
+            for key, how in (("ttft_eq1", "Eq. (1)"), ("ttft", "from arrival")):
+                for stat, paper in (("p50", paper_p50[p]), ("p99", paper_p99[p])):
+                    rows.append(
+                        _figure_row(
+                            f"{p} TTFT {stat} (ms, {how})",
+                            f"seed {seed}",
+                            str(paper),
+                            pol[p][key][stat],
+                            paper / 1e3,
+                            paper / 1e3,
+                            slack=0.1,
+                            unit="ms",
+                        )
                     )
-                )
         rows.append(
             _figure_row(
                 "twp ITL mean (ms)",

@@ -40,6 +40,27 @@ def test_twp_chunks_prefill_in_c_tokens_per_step_baselines_in_one() -> None:
     assert fcfs.e2e[0] - fcfs.ttft[0] == pytest.approx(4 * l_min)
 
 
+def test_eq1_ttft_is_the_cold_start_plus_the_steps_from_admission() -> None:
+    """The TWP paper's Eq. (1): a request arriving mid-step is admitted at the next step's
+    start; its Eq. (1) TTFT is that one step, its TTFT from arrival adds the rest of the
+    step in flight. A cold container's delay enters both."""
+    l_min, per_tok = PROF.decode.l_min_s, PROF.step_cost.per_token_s
+    reqs = [one(16, 50, t=0.0, rid="a"), one(800, 5, t=0.001, rid="b")]
+    res = simulate(PROF, "fcfs", reqs, cfg())
+    first_step = l_min + 16 * per_tok  # a's prefill; b arrives during it
+    b_step = PROF.decode.step_latency_s(1) + 800 * per_tok  # a decodes, b prefills
+    assert res.ttft_eq1[1] == pytest.approx(b_step)
+    assert res.ttft[1] == pytest.approx(first_step - 0.001 + b_step)
+    assert res.ttft_eq1[0] == pytest.approx(res.ttft[0]) == pytest.approx(first_step)
+    # TWP chunks b over ceil(800 / 64) steps: Eq. (1) counts each of them
+    twp = simulate(PROF, "twp", [one(800, 5)], cfg())
+    assert twp.ttft_eq1[0] == pytest.approx(twp.ttft[0])
+    cold = cfg(pool=PoolConfig(n_containers=1, warm_at_start=0))
+    res = simulate(PROF, "fcfs", [one(16, 2)], cold)
+    assert res.cold_starts == 1 and res.ttft_eq1[0] == pytest.approx(res.ttft[0])
+    assert res.ttft_eq1[0] > 10.0  # cs_i: the cold start it waited for
+
+
 def test_itl_follows_the_batch_model_beyond_b0() -> None:
     reqs = [one(16, 40, rid=f"r{i}") for i in range(12)]
     res = simulate(PROF, "fcfs", reqs, cfg())
