@@ -33,3 +33,25 @@ def test_bench_soak_refuses_bad_input(args: list[str]) -> None:
     res = runner.invoke(app, ["bench", "soak", "--url", "http://127.0.0.1:9", *args])
     assert res.exit_code == 2, res.output
     assert "levels" in res.output or "numbers" in res.output or "duration" in res.output
+
+
+@pytest.mark.parametrize(
+    ("args", "names"),
+    [
+        (["--caps", "0,8"], "--caps"),
+        (["--caps", "8,x"], "--caps"),
+        (["--requests", "0"], "--requests"),
+    ],
+)
+def test_bench_kv_pressure_refuses_bad_input_before_starting_an_engine(
+    args: list[str], names: str, tmp_path: Path
+) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    res = runner.invoke(app, ["bench", "kv-pressure", "--model", str(tmp_path), *args])
+    assert res.exit_code == 2, res.output
+    assert names in res.output
+
+
+def test_bench_kv_pressure_refuses_a_folder_without_a_model(tmp_path: Path) -> None:
+    res = runner.invoke(app, ["bench", "kv-pressure", "--model", str(tmp_path)])
+    assert res.exit_code == 2 and "--model" in res.output and "config.json" in res.output
