@@ -68,15 +68,21 @@ def pd_args(model_dir: Path, cache_dir: Path) -> dict[str, Any]:
     }
 
 
-def wait_until(cond: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
+def wait_until(
+    cond: Callable[[], bool],
+    what: str,
+    timeout_s: float = 30.0,
+    diagnose: Callable[[], str] | None = None,
+) -> None:
     """Poll the live app until ``cond()`` (a bounded wait on a real system, not a timing
-    assertion)."""
+    assertion); a timeout says what ``diagnose()`` (for example :func:`serve_state`) saw."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if cond():
             return
         time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for: {what}")
+    seen = f"; {diagnose()}" if diagnose is not None else ""
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for: {what}{seen}")
 
 
 def wait_ready(url: str, timeout_s: float) -> None:

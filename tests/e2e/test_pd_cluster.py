@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from cluster.tenants import hash_key
-from tests.e2e.conftest import only_app, shipped_engine, wait_ready, wait_until
+from tests.e2e.conftest import only_app, serve_state, shipped_engine, wait_ready, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -269,10 +269,20 @@ def test_a_wedged_prefill_engine_is_skipped_then_replaced(cluster: dict[str, Any
         out = complete(cluster, prompt(20 + i, 2))
         assert out["pdserve"]["prefill_replica"] != victim
     assert stats(cluster)["router"]["fallbacks"].get("wedged_replica_skipped", 0) > 0
+    # Serve stops the victim after 3 failed checks (about 6 s); its replacement then starts a
+    # vLLM engine, which took 9 s alone on this machine but did not come up within 240 s once
+    # in CI on a loaded machine (stop 33): bounded generously, and a timeout says what Serve saw
     wait_until(
-        lambda: victim not in followed(cluster) and len(followed(cluster)) == 2,
-        "Serve replaced the wedged replica",
-        timeout_s=240,
+        lambda: victim not in followed(cluster),
+        "Serve stopped the wedged replica",
+        timeout_s=120,
+        diagnose=serve_state,
+    )
+    wait_until(
+        lambda: len(followed(cluster)) == 2,
+        "Serve's replacement of the wedged replica reported",
+        timeout_s=600,
+        diagnose=serve_state,
     )
     assert wedged(cluster) == []
     complete(cluster, prompt(40, 2))
