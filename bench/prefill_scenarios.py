@@ -172,11 +172,14 @@ def _question(rng: np.random.Generator, ids: _Ids, lo: int = 30, hi: int = 80) -
     return (ids(), int(rng.integers(lo, hi + 1)))
 
 
-def sec_prompt(corpus: SecCorpus, rng: np.random.Generator, ids: _Ids) -> list[Segment]:
-    """A SEC-like RAG prompt: system prompt, 3-5 excerpts from one or two reports, question."""
+def sec_prompt(
+    corpus: SecCorpus, rng: np.random.Generator, ids: _Ids, one_report_share: float = 0.6
+) -> list[Segment]:
+    """A SEC-like RAG prompt: system prompt, 3-5 excerpts from one report (with probability
+    ``one_report_share``) or two, question."""
     k = int(rng.integers(3, 6))
     a = corpus.report(rng)
-    if rng.random() < 0.6:
+    if rng.random() < one_report_share:
         exc = corpus.section(rng, a)[:k]
     else:
         b = corpus.report(rng)
@@ -215,9 +218,9 @@ def long_prompt(corpus: SecCorpus, rng: np.random.Generator, ids: _Ids) -> list[
 PromptFn = Callable[[np.random.Generator, _Ids], tuple[list[Segment], tuple[str, ...]]]
 
 
-def _sec_mix(corpus: SecCorpus) -> PromptFn:
+def _sec_mix(corpus: SecCorpus, one_report_share: float = 0.6) -> PromptFn:
     def f(rng: np.random.Generator, ids: _Ids) -> tuple[list[Segment], tuple[str, ...]]:
-        segs = sec_prompt(corpus, rng, ids)
+        segs = sec_prompt(corpus, rng, ids, one_report_share)
         return segs, ()
 
     return f
@@ -364,10 +367,12 @@ SEC_SPIKE_PHASES = [("calm", 120.0, 0.5), ("burst", 120.0, 0.9), ("spike", 60.0,
 #: ranges on calibration seeds 1 and 2 (``pdserve sim fidelity --calibrate``; the grid, the
 #: targets and the log are in :mod:`bench.fidelity` and ``docs/fidelity.md``).
 SEC_SPIKE_CALIBRATED: dict[str, float] = {
-    "burst_load": 0.9,
-    "spike_load": 1.05,
+    "burst_load": 0.8,
+    "spike_load": 1.2,
     "zipf_s": 1.7,
     "cache_fraction": 0.33,
+    "one_report_share": 0.6,
+    "n_reports": 50,
 }
 #: ``flood-paper``: the flood with its backlog and flood load fitted the same way (FCFS,
 #: LPM, RAGCache, PEEK on the paper's flood figures).
@@ -386,19 +391,22 @@ def sec_spike_workload(
     load: float = 1.0,
     variant: str = "drain",
     name: str | None = None,
+    one_report_share: float = 0.6,
+    n_reports: int = 200,
 ) -> Workload:
     """The sec-spike scenario with its free parameters open (module docstring): the burst
-    and spike loads (x FCFS capacity), the reports' Zipf exponent and the cache fraction."""
+    and spike loads (x FCFS capacity), the reports' Zipf exponent, the cache fraction, the
+    share of prompts drawing on one report (else two) and the number of reports."""
     phases = [("calm", 120.0, 0.5), ("burst", 120.0, burst_load), ("spike", 60.0, spike_load)]
     if variant == "continued":
         phases.append(("after", 120.0, 0.5))
     if quick:
         phases = [(n, d / 4, x) for n, d, x in phases]
-    corpus = SecCorpus(np.random.default_rng([seed, 0]), zipf_s=zipf_s)
+    corpus = SecCorpus(np.random.default_rng([seed, 0]), n_reports=n_reports, zipf_s=zipf_s)
     keys = ("calm", "burst", "spike") + (("after",) if variant == "continued" else ())
     return phased_workload(
         name or f"sec-spike-{variant}",
-        _sec_mix(corpus),
+        _sec_mix(corpus, one_report_share),
         phases,
         seed=seed,
         profile=profile,
@@ -450,6 +458,8 @@ def sec_spike_paper_workload(
         ),
         load=load,
         name="sec-spike-paper",
+        one_report_share=float(params.get("one_report_share", 0.6)),
+        n_reports=int(params.get("n_reports", 200)),
     )
 
 

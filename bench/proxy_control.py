@@ -30,7 +30,7 @@ front of pdserve's queues, grows it more. ``pdserve up`` now runs its head on Ra
 (``deployments/local.py``); this control starts its own head with ``ray.init`` and stays on
 the allocator of the shell that runs it.
 
-CPU contention (``--busy-cores N``: N processes spin a core each; stop 34, answers after
+CPU contention (``--busy-cores N``: N processes spin a core each; stop 33, answers after
 1 s): idle cores 177 -> 180 MiB (1.9%, 0.87 KiB/request); one core spinning 1.3-2.0%
 (0.58-0.89 KiB/request, two runs). With both cores spinning the proxy falls behind (1,153
 and 2,389 of 4,046 answered), Serve's controller kills and restarts it, and its memory is

@@ -16,7 +16,7 @@ One run:
    pdserve process grew less than 3%; Serve's own proxy grew 3.0%, 3.2% and 7.5%, steadily
    from the start. That was glibc's malloc keeping freed memory (``deployments/local.py``);
    with the head on Ray's jemalloc, as ``pdserve up`` starts it now, the proxy grew 2.5%
-   (224 -> 229 MiB, after a peak of 269 under load), every process under 3% (stop 35).
+   (224 -> 229 MiB, after a peak of 269 under load), every process under 3% (stop 33).
 3. **Baseline.** The app's tables (each router's, from ``/v1/pdserve/stats``; the blocks each
    prefill replica's feed holds for the index) and the resident memory of every process of
    the local Ray cluster (Serve's replicas, proxy and controller, raylet, GCS) and of

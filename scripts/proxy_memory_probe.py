@@ -12,7 +12,7 @@ freed memory its heaps kept, not live data.
     python scripts/proxy_memory_probe.py --json out/probe.json          # app as it runs
     python scripts/proxy_memory_probe.py --json out/probe.json --trim
 
-Measured with it (stop 35, 2-core machine, 1.5x of 17-20 req/s, 4 rounds of 90 s; RSS after
+Measured with it (stop 33, 2-core machine, 1.5x of 17-20 req/s, 4 rounds of 90 s; RSS after
 the warm-up round -> after the last; tracemalloc live; requests after the warm-up):
 
 | proxy's malloc | RSS MiB | growth | live Python MB | requests | KiB/request |

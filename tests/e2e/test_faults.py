@@ -81,7 +81,7 @@ def fault_args(model_dir: Path, cache_dir: Path, redis_url: str) -> dict[str, An
 
 #: both runtimes in the suite (``PDSERVE_FAULT_RUNTIMES=in_process`` runs one). Under
 #: async_llm 5 kill and wedge tests once failed in a full run, unexplained; the module has
-#: passed on both in every run since (stops 32-34), and a replacement replica's warm-up calls,
+#: passed on both in every run since (stops 32-33), and a replacement replica's warm-up calls,
 #: which could pass for a test's own request, are now waited out (:func:`full`)
 FAULT_RUNTIMES = tuple(
     r

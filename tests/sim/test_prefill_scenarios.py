@@ -136,3 +136,26 @@ def test_musique_prompts_share_passage_prefixes() -> None:
         key = r.block_hashes[:20]
         firsts[key] = firsts.get(key, 0) + 1
     assert max(firsts.values()) >= 2  # some prompts share at least 20 leading blocks
+
+
+def test_sec_prompts_hit_mix_follows_one_report_share_and_the_corpus_size() -> None:
+    """The spike calibration's hit-mix parameters: a prompt draws its excerpts from one
+    report with probability ``one_report_share``, else from two; ``n_reports`` sizes the
+    corpus its popularity spreads over."""
+    corpus = SecCorpus(np.random.default_rng(0), n_reports=10, zipf_s=0.0)
+    assert corpus.n_reports == 10 and len(corpus.popularity) == 10
+    owner = {sid: r for r in range(10) for sid, _ in corpus.full_text(r)}
+
+    def reports_per_prompt(share: float) -> list[int]:
+        rng, ids = np.random.default_rng(1), _Ids(10_000_000)
+        out = []
+        for _ in range(300):
+            segs = sec_prompt(corpus, rng, ids, one_report_share=share)
+            out.append(len({owner[sid] for sid, _ in segs if sid in owner}))
+        return out
+
+    assert set(reports_per_prompt(1.0)) == {1}
+    two = reports_per_prompt(0.0)
+    # two draws from 10 equally popular reports coincide about a tenth of the time
+    assert 0.8 < sum(n == 2 for n in two) / len(two) < 0.97
+    assert set(two) <= {1, 2}
