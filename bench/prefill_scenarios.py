@@ -128,13 +128,19 @@ class _Ids:
         return self.next
 
 
+#: The SEC mix's defaults: reports in the corpus, and the share of prompts whose excerpts
+#: come from one report (else two). ``sec-spike-paper`` fits both (:data:`SEC_SPIKE_CALIBRATED`).
+SEC_N_REPORTS = 200
+SEC_ONE_REPORT_SHARE = 0.6
+
+
 class SecCorpus:
     """The SEC-like report corpus (see the module docstring for its numbers)."""
 
     def __init__(
         self,
         rng: np.random.Generator,
-        n_reports: int = 200,
+        n_reports: int = SEC_N_REPORTS,
         sections: int = 2,
         excerpts_per_section: int = 5,
         zipf_s: float = 1.1,
@@ -173,7 +179,10 @@ def _question(rng: np.random.Generator, ids: _Ids, lo: int = 30, hi: int = 80) -
 
 
 def sec_prompt(
-    corpus: SecCorpus, rng: np.random.Generator, ids: _Ids, one_report_share: float = 0.6
+    corpus: SecCorpus,
+    rng: np.random.Generator,
+    ids: _Ids,
+    one_report_share: float = SEC_ONE_REPORT_SHARE,
 ) -> list[Segment]:
     """A SEC-like RAG prompt: system prompt, 3-5 excerpts from one report (with probability
     ``one_report_share``) or two, question."""
@@ -218,7 +227,7 @@ def long_prompt(corpus: SecCorpus, rng: np.random.Generator, ids: _Ids) -> list[
 PromptFn = Callable[[np.random.Generator, _Ids], tuple[list[Segment], tuple[str, ...]]]
 
 
-def _sec_mix(corpus: SecCorpus, one_report_share: float = 0.6) -> PromptFn:
+def _sec_mix(corpus: SecCorpus, one_report_share: float = SEC_ONE_REPORT_SHARE) -> PromptFn:
     def f(rng: np.random.Generator, ids: _Ids) -> tuple[list[Segment], tuple[str, ...]]:
         segs = sec_prompt(corpus, rng, ids, one_report_share)
         return segs, ()
@@ -391,8 +400,8 @@ def sec_spike_workload(
     load: float = 1.0,
     variant: str = "drain",
     name: str | None = None,
-    one_report_share: float = 0.6,
-    n_reports: int = 200,
+    one_report_share: float = SEC_ONE_REPORT_SHARE,
+    n_reports: int = SEC_N_REPORTS,
 ) -> Workload:
     """The sec-spike scenario with its free parameters open (module docstring): the burst
     and spike loads (x FCFS capacity), the reports' Zipf exponent, the cache fraction, the
@@ -458,8 +467,8 @@ def sec_spike_paper_workload(
         ),
         load=load,
         name="sec-spike-paper",
-        one_report_share=float(params.get("one_report_share", 0.6)),
-        n_reports=int(params.get("n_reports", 200)),
+        one_report_share=float(params["one_report_share"]),
+        n_reports=int(params["n_reports"]),
     )
 
 
