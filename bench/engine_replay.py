@@ -24,14 +24,16 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 from bench.prefill_report import policy_report, six_targets
 from bench.prefill_scenarios import Workload
 from bench.prefill_sim import EngineConfig, RunResult, simulate
-from controllers.profile import EngineProfile
+from controllers.profile import EngineProfile, StepCost
+from engines.profiler import fit_step_cost_steps
 
 
 class _BlockTokens:
@@ -94,6 +96,83 @@ def _result_from_ttfts(work: Workload, ttft: dict[str, float]) -> RunResult:
     return RunResult("engine", fin, rest, horizon, 0, 0.0, 0)
 
 
+@contextmanager
+def _chunk_log(sched: Any) -> Iterator[list[list[tuple[int, int]]]]:
+    """While open, every step's chunks ``(c, p)`` are logged: ``c`` tokens of a request
+    from position ``p`` (vLLM advances ``num_computed_tokens`` inside ``schedule``, so
+    ``p`` is it less ``c``), the simulator's step-cost inputs. It wraps ``sched.schedule``
+    on the instance and removes the wrapper on exit."""
+    log: list[list[tuple[int, int]]] = []
+    inner = sched.schedule
+
+    def schedule(*args: Any, **kwargs: Any) -> Any:
+        out = inner(*args, **kwargs)
+        log.append(
+            [
+                (int(c), int(sched.requests[rid].num_computed_tokens) - int(c))
+                for rid, c in out.num_scheduled_tokens.items()
+            ]
+        )
+        return out
+
+    sched.schedule = schedule
+    try:
+        yield log
+    finally:
+        del sched.schedule
+
+
+def _step_cost_of(sc: StepCost, chunks: Sequence[Sequence[int]]) -> float:
+    """The simulator's cost of one step (``bench.prefill_sim``'s model)."""
+    tokens = sum(c for c, _ in chunks)
+    attn = sum(c * p + c * (c + 1) / 2 for c, p in chunks)
+    return sc.fixed_s + sc.per_token_s * tokens + sc.attn_per_ctx_token_s * attn
+
+
+def step_cost_check(
+    steps: dict[str, Sequence[Sequence[Any]]], profile_cost: StepCost, *, long_head: int = 2048
+) -> dict[str, Any]:
+    """The profile's step cost held against a replay's measured steps.
+
+    ``steps``: per policy, ``[step_s, [[c, p], ...]]`` as :func:`replay` logs them. Returns
+    the step cost refitted on all of them (``refit``, the profiler's fit) and, per group of
+    steps, the measured seconds, the profile's predicted seconds and their ratio
+    (``predicted / measured``; above 1: the profile overprices). Groups: ``all``; by policy;
+    ``long_context``: steps with a chunk that starts at or beyond ``long_head`` tokens
+    (past what the profile measured before stop 34) against ``short_context``; and the
+    replay's wall time in thirds per policy (``third_1..3``: the machine's drift)."""
+    every = [(float(t), [(int(c), int(p)) for c, p in ch]) for st in steps.values() for t, ch in st]
+    every = [(t, ch) for t, ch in every if ch]
+    refit = fit_step_cost_steps([(ch, t) for t, ch in every]) if len(every) >= 3 else profile_cost
+    groups: dict[str, list[tuple[float, list[tuple[int, int]]]]] = {"all": every}
+    for pol, st in steps.items():
+        rows = [(float(t), [(int(c), int(p)) for c, p in ch]) for t, ch in st if ch]
+        groups[pol] = rows
+        n = len(rows)
+        for k in range(3):
+            groups.setdefault(f"third_{k + 1}", []).extend(rows[k * n // 3 : (k + 1) * n // 3])
+    groups["long_context"] = [(t, ch) for t, ch in every if max(p for _, p in ch) >= long_head]
+    groups["short_context"] = [(t, ch) for t, ch in every if max(p for _, p in ch) < long_head]
+    report: dict[str, Any] = {}
+    for name, rows in groups.items():
+        meas = sum(t for t, _ in rows)
+        pred = sum(_step_cost_of(profile_cost, ch) for _, ch in rows)
+        fit = sum(_step_cost_of(refit, ch) for _, ch in rows)
+        report[name] = {
+            "steps": len(rows),
+            "measured_s": round(meas, 3),
+            "profile_s": round(pred, 3),
+            "profile_over_measured": round(pred / meas, 3) if meas > 0 else None,
+            "refit_over_measured": round(fit / meas, 3) if meas > 0 else None,
+        }
+    return {
+        "profile": profile_cost.model_dump(mode="json"),
+        "refit": refit.model_dump(mode="json"),
+        "long_head": long_head,
+        "groups": report,
+    }
+
+
 def replay(
     llm: Any,
     work: Workload,
@@ -110,6 +189,8 @@ def replay(
     """Replay ``work`` through ``llm`` once per policy (``configure(policy)`` switches the
     live scheduler and resets the prefix cache); returns measured and simulated reports."""
     from vllm import SamplingParams
+
+    from engines.runtime import live_scheduler
 
     eng = llm.llm_engine
     vocab = int(eng.model_config.get_vocab_size())
@@ -132,6 +213,7 @@ def replay(
     }
     measured: dict[str, dict[str, Any]] = {}
     predicted: dict[str, dict[str, Any]] = {}
+    sched = live_scheduler(llm)
     for policy in policies:
         configure(policy)
         for i, w in enumerate(warm):
@@ -140,32 +222,38 @@ def replay(
             eng.step()
         ttft: dict[str, float] = {}
         cached: dict[str, int] = {}
+        steps: list[tuple[float, list[tuple[int, int]]]] = []
         nxt = 0
         t0 = time.monotonic()
-        while nxt < len(reqs) or eng.has_unfinished_requests():
-            now = time.monotonic() - t0
-            if now > max_wall_s:
-                raise TimeoutError(f"replay of {policy} ran past {max_wall_s:.0f} s")
-            while nxt < len(reqs) and reqs[nxt].arrival_s <= now:
-                r = reqs[nxt]
-                eng.add_request(r.request_id, {"prompt_token_ids": prompts[r.request_id]}, one)
-                nxt += 1
-            if not eng.has_unfinished_requests():
-                time.sleep(min(0.05, max(0.0, reqs[nxt].arrival_s - now)))
-                continue
-            outs = eng.step()
-            done = time.monotonic() - t0
-            for o in outs:
-                rid = o.request_id
-                if rid in arrival and rid not in ttft and o.outputs and o.outputs[0].token_ids:
-                    ttft[rid] = done - arrival[rid]
-                    cached[rid] = int(o.num_cached_tokens or 0)
-            if progress is not None:
-                progress(policy, len(ttft), len(reqs))
+        with _chunk_log(sched) as log:
+            while nxt < len(reqs) or eng.has_unfinished_requests():
+                now = time.monotonic() - t0
+                if now > max_wall_s:
+                    raise TimeoutError(f"replay of {policy} ran past {max_wall_s:.0f} s")
+                while nxt < len(reqs) and reqs[nxt].arrival_s <= now:
+                    r = reqs[nxt]
+                    eng.add_request(r.request_id, {"prompt_token_ids": prompts[r.request_id]}, one)
+                    nxt += 1
+                if not eng.has_unfinished_requests():
+                    time.sleep(min(0.05, max(0.0, reqs[nxt].arrival_s - now)))
+                    continue
+                outs = eng.step()
+                done = time.monotonic() - t0
+                if log and sched.records:
+                    steps.append((sched.records[-1].step_s, log[-1]))
+                log.clear()
+                for o in outs:
+                    rid = o.request_id
+                    if rid in arrival and rid not in ttft and o.outputs and o.outputs[0].token_ids:
+                        ttft[rid] = done - arrival[rid]
+                        cached[rid] = int(o.num_cached_tokens or 0)
+                if progress is not None:
+                    progress(policy, len(ttft), len(reqs))
         measured[policy] = policy_report(_result_from_ttfts(work, ttft), keys)
         measured[policy]["wall_s"] = time.monotonic() - t0
         measured[policy]["cached_tokens"] = cached
         measured[policy]["ttft_s"] = {k: round(v, 4) for k, v in ttft.items()}
+        measured[policy]["steps"] = [[round(t, 5), ch] for t, ch in steps]
         sim = simulate(
             work.requests,
             policy,
@@ -179,7 +267,38 @@ def replay(
         predicted[policy] = policy_report(sim, keys)
     out["policies"] = measured
     out["sim"]["policies"] = predicted
-    for block, reps in ((out, measured), (out["sim"], predicted)):
+    out["step_cost_check"] = step_cost_check(
+        {p: measured[p]["steps"] for p in measured}, profile.step_cost
+    )
+    refit = profile.model_copy(update={"step_cost": StepCost(**out["step_cost_check"]["refit"])})
+    out["sim_refit"] = {
+        "simulated": True,
+        "note": "the simulator with its step cost refitted on this replay's own measured "
+        "steps (in-sample: a diagnosis of the queue model, not a prediction)",
+        "policies": {
+            p: policy_report(
+                simulate(
+                    work.requests,
+                    p,
+                    refit,
+                    kv_blocks,
+                    config=EngineConfig(
+                        token_budget=token_budget,
+                        max_running=max_running,
+                        block_size=work.block_size,
+                    ),
+                    warm=work.warm,
+                ),
+                keys,
+            )
+            for p in measured
+        },
+    }
+    for block, reps in (
+        (out, measured),
+        (out["sim"], predicted),
+        (out["sim_refit"], out["sim_refit"]["policies"]),
+    ):
         targets = six_targets(reps)
         if targets is not None:
             block["six_targets"] = targets

@@ -4,9 +4,10 @@ On an idle in-process vLLM engine (prefix caching on, every prompt unique so not
 
 - Prefill table: time to first token of one prompt of each length, from vLLM's own
   per-request timings (``first_token_ts - scheduled_ts``), median of ``repeats``.
-- Step cost: least squares over every prefill step the plug-in timed (unique prompts, and
-  tails of 128 and 512 tokens on cached prefixes of 512-2,048 tokens so that the attention
-  term is identifiable),
+- Step cost: least squares over every prefill step the plug-in timed (unique prompts,
+  tails of 128 and 512 tokens on cached prefixes of 512-4,096 tokens so that the attention
+  term is identifiable, and steps of four 256-token tails on cached heads of 2,048 and
+  4,096 tokens: a spike's hits),
   ``step_s = fixed_s + per_token_s * c + attn_per_ctx_token_s * (c * p + c (c + 1) / 2)``
   for a chunk of ``c`` tokens starting at position ``p`` (the prefill simulator's model),
   coefficients floored at 0.
@@ -35,6 +36,7 @@ from engines.runtime import live_scheduler, make_llm
 
 DEFAULT_PROMPTS = (128, 256, 512, 1024, 2048, 4096)
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32)
+CACHED_HEADS = (512, 1024, 2048, 4096)
 
 
 def fit_decode(batches: Sequence[int], seconds: Sequence[float]) -> DecodeProfile:
@@ -111,7 +113,7 @@ def measure_profile(
     progress: Callable[[str], None] | None = None,
 ) -> tuple[EngineProfile, dict[str, Any]]:
     """Start an engine, measure the profile on it (:func:`profile_engine`), stop it."""
-    max_len = max(prompt_tokens) + decode_steps + 8
+    max_len = max(max(prompt_tokens), max(CACHED_HEADS) + 512) + decode_steps + 8
     llm = make_llm(
         model_dir,
         cache_dir=cache_dir,
@@ -180,8 +182,10 @@ def profile_engine(
                     pos += rec.scheduled_tokens
         table.append(float(statistics.median(times)))
         say(f"prefill {n} tokens: {table[-1] * 1e3:.1f} ms")
-    # Prefill on a cached prefix: identifies the attention term (context p > 0).
-    for pre_len in [n for n in (512, 1024, 2048) if n + 512 < max_len]:
+    # Prefill on a cached prefix: identifies the attention term (context p > 0). Heads up
+    # to 4,096 tokens: a RAG hit's cached head is often that long, and a fit on shorter
+    # heads extrapolated to them (issue 21: the refitted spike's hits carry 1,800-5,600).
+    for pre_len in [n for n in CACHED_HEADS if n + 512 < max_len]:
         for tail in (128, 512):
             pre = prompt(pre_len)
             llm.generate([pre], one, use_tqdm=False)
@@ -194,6 +198,28 @@ def profile_engine(
                     chunks.append((rec.scheduled_tokens, pos, rec.step_s))
                     pos += rec.scheduled_tokens
         say(f"prefill on a cached {pre_len}-token prefix")
+    # Several hits in one step (a spike's steps under a hit-first order): four tails of
+    # 256 tokens, each on its own cached head.
+    for pre_len in [n for n in (2048, 4096) if n + 256 < max_len]:
+        for _ in range(repeats):
+            heads = [prompt(pre_len) for _ in range(4)]
+            llm.generate(heads, one, use_tqdm=False)
+            fulls = [
+                {"prompt_token_ids": h["prompt_token_ids"] + prompt(256)["prompt_token_ids"]}
+                for h in heads
+            ]
+            start = len(sched.records)
+            outs = llm.generate(fulls, one, use_tqdm=False)
+            recs = [r for r in list(sched.records)[start:] if r.scheduled_tokens]
+            cached = [int(o.num_cached_tokens or 0) for o in outs]
+            if len(recs) == 1 and recs[0].scheduled_tokens == sum(
+                len(f["prompt_token_ids"]) - c for f, c in zip(fulls, cached, strict=True)
+            ):
+                ch = [
+                    (len(f["prompt_token_ids"]) - c, c) for f, c in zip(fulls, cached, strict=True)
+                ]
+                batched.append((ch, recs[0].step_s))
+        say(f"four hits on cached {pre_len}-token prefixes in one step")
     # Several unique prompts in one step (what a spike's steps look like): per-request
     # costs of a batched step enter the fit too.
     budget = int(llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens)

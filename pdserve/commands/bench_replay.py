@@ -53,7 +53,7 @@ def replay(
     if profile == "measure":
         from engines.profiler import measure_profile
 
-        typer.echo("measuring the engine profile on this model (a few minutes)...")
+        typer.echo("measuring the engine profile on this model (under a minute).")
         with tempfile.TemporaryDirectory(prefix="pdserve-profile-") as cache:
             prof, _ = measure_profile(
                 model,
@@ -103,6 +103,7 @@ def replay(
     res["notes"] = list(work.notes)
     headers, rows = replay_rows(res, list(work.keys))
     typer.echo(table(headers, rows))
+    typer.echo(step_check_text(res["step_cost_check"]))
     write_json(json_out, res)
     if plot is not None:
         replay_plot(plot, res, list(work.keys))
@@ -116,8 +117,11 @@ def replay_rows(res: dict, keys: list[str]) -> tuple[list[str], list[list[object
         headers += [f"{k} p50", f"{k} p99"]
     headers.append("targets")
     rows: list[list[object]] = []
+    sources = [("engine", res), ("simulated", res["sim"])]
+    if "sim_refit" in res:
+        sources.append(("simulated, step cost refit", res["sim_refit"]))
     for policy in res["policies"]:
-        for src, block in (("engine", res), ("simulated", res["sim"])):
+        for src, block in sources:
             t = block["policies"][policy]["ttft"]
             row: list[object] = [policy, src]
             for k in keys:
@@ -128,12 +132,36 @@ def replay_rows(res: dict, keys: list[str]) -> tuple[list[str], list[list[object
     return headers, rows
 
 
+def step_check_text(check: dict) -> str:
+    """The profile's step cost against the replay's measured steps, as a small table."""
+    rows = [
+        [
+            name,
+            g["steps"],
+            g["measured_s"],
+            g["profile_s"],
+            g["profile_over_measured"],
+            g["refit_over_measured"],
+        ]
+        for name, g in check["groups"].items()
+    ]
+    head = (
+        "step cost (simulator's model) against this replay's measured steps; "
+        f"long_context: a chunk from position >= {check['long_head']}\n"
+        f"  profile: {check['profile']}\n  refit:   {check['refit']}\n"
+    )
+    return head + table(
+        ["steps", "n", "measured s", "profile s", "profile / measured", "refit / measured"], rows
+    )
+
+
 def _r(x: float | None) -> object:
     return "-" if x is None else round(x, 2)
 
 
 def replay_plot(path: Path, res: dict, keys: list[str]) -> None:
-    """p50 and p99 TTFT per phase and policy, engine (solid) vs simulator (hatched)."""
+    """p50 and p99 TTFT per phase and policy: engine (solid), simulator (hatched), and the
+    simulator with the step cost refitted on the replay (dotted) where present."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -141,19 +169,23 @@ def replay_plot(path: Path, res: dict, keys: list[str]) -> None:
     import numpy as np
 
     pols = list(res["policies"])
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    sources = [("engine", res), ("sim", res["sim"])]
+    if "sim_refit" in res:
+        sources.append(("sim, step cost refit", res["sim_refit"]))
+    hatches = [None, "//", ".."]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
     for ax, stat in zip(axes, ("p50", "p99"), strict=True):
         x = np.arange(len(keys))
-        w = 0.8 / (2 * len(pols))
+        w = 0.8 / (len(sources) * len(pols))
         for i, p in enumerate(pols):
-            for j, (src, block) in enumerate((("engine", res), ("sim", res["sim"]))):
+            for j, (src, block) in enumerate(sources):
                 vals = [block["policies"][p]["ttft"][k][stat] or 0 for k in keys]
                 ax.bar(
-                    x + (2 * i + j) * w,
+                    x + (len(sources) * i + j) * w,
                     vals,
                     w,
                     label=f"{p} ({src})",
-                    hatch="//" if j else None,
+                    hatch=hatches[j],
                     alpha=0.6 if j else 1.0,
                     color=f"C{i}",
                 )

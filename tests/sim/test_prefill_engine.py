@@ -199,3 +199,45 @@ def test_engine_profile_defaults_config() -> None:
     eng = PrefillEngine(make_prefill_policy("fcfs"), PROFILE, BlockCache(10))
     assert eng.config.token_budget == PROFILE.token_budget == 2048
     assert isinstance(PROFILE, EngineProfile)
+
+
+def test_the_step_cost_check_prices_a_replays_steps_and_refits_them() -> None:
+    """``bench replay``'s check: a profile that prices every step at twice its measured
+    time reads 2.0, the refit recovers the true coefficients, and steps with a chunk
+    from a long cached head are grouped apart."""
+    from bench.engine_replay import step_cost_check
+    from controllers.profile import StepCost
+
+    truth = StepCost(fixed_s=0.004, per_token_s=1.5e-4, attn_per_ctx_token_s=3e-8)
+    double = StepCost(fixed_s=0.008, per_token_s=3e-4, attn_per_ctx_token_s=6e-8)
+
+    def cost(ch: list[list[int]]) -> float:
+        return (
+            truth.fixed_s
+            + truth.per_token_s * sum(c for c, _ in ch)
+            + truth.attn_per_ctx_token_s * sum(c * p + c * (c + 1) / 2 for c, p in ch)
+        )
+
+    shapes = [
+        [[2048, 0]],
+        [[512, 0]] * 4,
+        [[256, 4096]] * 4,
+        [[300, 5000], [1000, 0]],
+        [[128, 1024]] * 8,
+        [[1000, 2048]],
+    ]
+    steps = {
+        "fcfs": [[cost(ch), ch] for ch in shapes[:3]],
+        "lpm": [[cost(ch), ch] for ch in shapes[3:]],
+    }
+    out = step_cost_check(steps, double, long_head=2048)
+    g = out["groups"]
+    assert g["all"]["steps"] == 6 and g["fcfs"]["steps"] == 3
+    assert g["all"]["profile_over_measured"] == pytest.approx(2.0, rel=1e-3)
+    assert g["all"]["refit_over_measured"] == pytest.approx(1.0, rel=1e-3)
+    assert out["refit"]["per_token_s"] == pytest.approx(truth.per_token_s, rel=1e-4)
+    assert out["refit"]["attn_per_ctx_token_s"] == pytest.approx(
+        truth.attn_per_ctx_token_s, rel=1e-4
+    )
+    assert g["long_context"]["steps"] == 3 and g["short_context"]["steps"] == 3
+    assert sum(g[f"third_{k}"]["steps"] for k in (1, 2, 3)) == 6

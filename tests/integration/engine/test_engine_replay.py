@@ -77,4 +77,12 @@ def test_a_replay_serves_every_request_at_its_time_on_the_real_engine(
         assert all(got["cached_tokens"][f"r{k}"] >= 3 * BS for k in (0, 2, 4, 6))
         assert all(got["cached_tokens"][f"r{k}"] == 0 for k in (1, 3, 5, 7))
         assert sim["ttft"]["all"]["n"] == 8 and sim["unfinished"] == 0
+        # every step's chunks were logged: they add up to the tokens vLLM computed
+        computed = sum(r.prompt_tokens - got["cached_tokens"][r.request_id] for r in work.requests)
+        assert sum(c for _, ch in got["steps"] for c, _ in ch) == computed
+        assert all(t > 0 for t, _ in got["steps"])
+        assert res["sim_refit"]["policies"][policy]["ttft"]["all"]["n"] == 8
+    check = res["step_cost_check"]["groups"]
+    assert check["all"]["steps"] == check["fcfs"]["steps"] + check["fairway"]["steps"]
+    assert check["all"]["steps"] == check["long_context"]["steps"] + check["short_context"]["steps"]
     assert seen[-1] == ("fairway", 8, 8)
