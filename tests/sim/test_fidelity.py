@@ -75,6 +75,27 @@ def test_twp_calibration_chooses_the_papers_eq1_ttft_on_the_baselines() -> None:
     assert arrival["values"]["fcfs itl mean"] == eq1["values"]["fcfs itl mean"]
 
 
+def test_twp_prefill_cost_is_a_free_engine_parameter_that_moves_the_ttft_tail() -> None:
+    """The V100 profile's per-token prefill cost is a guess (``l_min / 512``); the grid
+    scales it. Under Eq. (1) a baseline's TTFT is its admission step, whose length grows
+    with the prompts prefilled in it: a cheaper prefill shortens the tail and the ITL."""
+    base = fd.decode_profile(2e-5)
+    half = fd.decode_profile(2e-5, 0.5)
+    assert half.step_cost.per_token_s == pytest.approx(base.step_cost.per_token_s / 2)
+    assert half.decode == base.decode and half.step_cost.fixed_s == base.step_cost.fixed_s
+    cal = fd.calibrate(
+        "twp",
+        grid={"alpha_s": (2e-5,), "warm": (4,), "ttft_eq1": (1,), "prefill_scale": (1.0, 0.5)},
+        seeds=(1,),
+        quick=True,
+        progress=False,
+    )
+    full, cheap = cal["log"]
+    for p in ("fcfs", "dynamic_batch", "serverlessllm"):
+        assert cheap["values"][f"{p} ttft p99"][0] < full["values"][f"{p} ttft p99"][0]
+        assert cheap["values"][f"{p} itl mean"][0] < full["values"][f"{p} itl mean"][0]
+
+
 def test_the_frozen_parameters_are_on_their_grids() -> None:
     """What the report runs is a point the calibration could have chosen."""
     for name, grid in fd.GRIDS.items():
