@@ -6,8 +6,8 @@ On an idle in-process vLLM engine (prefix caching on, every prompt unique so not
   per-request timings (``first_token_ts - scheduled_ts``), median of ``repeats``.
 - Step cost: least squares over every prefill step the plug-in timed (unique prompts,
   tails of 128 and 512 tokens on cached prefixes of 512-4,096 tokens so that the attention
-  term is identifiable, and steps of four 256-token tails on cached heads of 2,048 and
-  4,096 tokens: a spike's hits),
+  term is identifiable, and steps of four tails of up to 256 tokens on cached heads of
+  2,048 and 4,096 tokens: a spike's hits),
   ``step_s = fixed_s + per_token_s * c + attn_per_ctx_token_s * (c * p + c (c + 1) / 2)``
   for a chunk of ``c`` tokens starting at position ``p`` (the prefill simulator's model),
   coefficients floored at 0.
@@ -199,13 +199,16 @@ def profile_engine(
                     pos += rec.scheduled_tokens
         say(f"prefill on a cached {pre_len}-token prefix")
     # Several hits in one step (a spike's steps under a hit-first order): four tails of
-    # 256 tokens, each on its own cached head.
-    for pre_len in [n for n in (2048, 4096) if n + 256 < max_len]:
+    # up to 256 tokens (a quarter of the token budget at most), each on its own cached head.
+    budget = int(llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens)
+    hit_tail = min(256, budget // 4)
+    hit_steps: list[tuple[list[tuple[int, int]], float]] = []
+    for pre_len in [n for n in (2048, 4096) if n + hit_tail < max_len]:
         for _ in range(repeats):
             heads = [prompt(pre_len) for _ in range(4)]
             llm.generate(heads, one, use_tqdm=False)
             fulls = [
-                {"prompt_token_ids": h["prompt_token_ids"] + prompt(256)["prompt_token_ids"]}
+                {"prompt_token_ids": h["prompt_token_ids"] + prompt(hit_tail)["prompt_token_ids"]}
                 for h in heads
             ]
             start = len(sched.records)
@@ -218,11 +221,11 @@ def profile_engine(
                 ch = [
                     (len(f["prompt_token_ids"]) - c, c) for f, c in zip(fulls, cached, strict=True)
                 ]
-                batched.append((ch, recs[0].step_s))
+                hit_steps.append((ch, recs[0].step_s))
         say(f"four hits on cached {pre_len}-token prefixes in one step")
+    batched += hit_steps
     # Several unique prompts in one step (what a spike's steps look like): per-request
     # costs of a batched step enter the fit too.
-    budget = int(llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens)
     for k in (4, 8, 16):
         n_each = budget // k
         for _ in range(repeats):
@@ -262,5 +265,7 @@ def profile_engine(
         "decode_batches": list(batches),
         "decode_step_s": dec,
         "prefill_steps": len(chunks) + len(batched),
+        "context_chunks": [[c, p] for c, p, _ in chunks if p > 0],
+        "hit_steps": [[[list(x) for x in ch], t] for ch, t in hit_steps],
     }
     return profile, raw
