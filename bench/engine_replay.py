@@ -173,6 +173,21 @@ def step_cost_check(
     }
 
 
+def refit_profile(profile: EngineProfile, check: dict[str, Any], what: str) -> EngineProfile:
+    """``profile`` with the step cost :func:`step_cost_check` refitted on a replay's
+    measured steps (``what`` names the replay in the profile's ``source``): a profile
+    that a later replay can scale its arrivals by, measured under load for minutes
+    rather than on an idle engine for seconds."""
+    n = check["groups"]["all"]["steps"]
+    return profile.model_copy(
+        update={
+            "step_cost": StepCost(**check["refit"]),
+            "source": f"{profile.source}; step cost refitted on {n} steps measured in a "
+            f"`bench replay` of {what}",
+        }
+    )
+
+
 def replay(
     llm: Any,
     work: Workload,
@@ -270,7 +285,7 @@ def replay(
     out["step_cost_check"] = step_cost_check(
         {p: measured[p]["steps"] for p in measured}, profile.step_cost
     )
-    refit = profile.model_copy(update={"step_cost": StepCost(**out["step_cost_check"]["refit"])})
+    refit = refit_profile(profile, out["step_cost_check"], work.name)
     out["sim_refit"] = {
         "simulated": True,
         "note": "the simulator with its step cost refitted on this replay's own measured "

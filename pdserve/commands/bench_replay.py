@@ -31,6 +31,12 @@ def replay(
     token_budget: int = typer.Option(2048, min=64, help="max_num_batched_tokens."),
     json_out: Path | None = typer.Option(None, "--json", help="Write the results as JSON here."),
     plot: Path | None = typer.Option(None, "--plot", help="Write a PNG: engine vs simulator."),
+    save_profile: Path | None = typer.Option(
+        None,
+        "--save-profile",
+        help="Write the profile with its step cost refitted on this replay's measured steps "
+        "(JSON); pass it as --profile to a later replay to scale its arrivals by it.",
+    ),
 ) -> None:
     """Replay a workload at its arrival times through the real engine, per policy, beside
     the simulator's prediction of the same replay (run under the heavy-work lock)."""
@@ -105,6 +111,11 @@ def replay(
     typer.echo(table(headers, rows))
     typer.echo(step_check_text(res["step_cost_check"]))
     write_json(json_out, res)
+    if save_profile is not None:
+        from bench.engine_replay import refit_profile
+
+        refit = refit_profile(prof, res["step_cost_check"], f"{scenario} seed {seed}")
+        write_json(save_profile, refit.model_dump(mode="json"))
     if plot is not None:
         replay_plot(plot, res, list(work.keys))
         typer.echo(f"wrote {plot}")

@@ -241,3 +241,33 @@ def test_the_step_cost_check_prices_a_replays_steps_and_refits_them() -> None:
     )
     assert g["long_context"]["steps"] == 3 and g["short_context"]["steps"] == 3
     assert sum(g[f"third_{k}"]["steps"] for k in (1, 2, 3)) == 6
+
+
+def test_a_replays_refitted_profile_round_trips_as_a_profile_file(tmp_path) -> None:
+    """``bench replay --save-profile``: the profile with the replay's refitted step cost,
+    loadable by path as ``--profile`` for the next replay."""
+    from bench.engine_replay import refit_profile, step_cost_check
+    from controllers.profile import StepCost
+
+    prof = load_profile("cpu2core_vllm032_bench")
+    truth = StepCost(fixed_s=0.03, per_token_s=1e-4, attn_per_ctx_token_s=3e-8)
+    shapes = [[[2048, 0]], [[512, 0]] * 4, [[256, 4096]] * 4, [[300, 5000], [1000, 0]], [[64, 0]]]
+    steps = {
+        "fcfs": [
+            [
+                truth.fixed_s
+                + truth.per_token_s * sum(c for c, _ in ch)
+                + truth.attn_per_ctx_token_s * sum(c * p + c * (c + 1) / 2 for c, p in ch),
+                ch,
+            ]
+            for ch in shapes
+        ]
+    }
+    out = refit_profile(prof, step_cost_check(steps, prof.step_cost), "sec-spike-paper seed 3")
+    assert out.step_cost.fixed_s == pytest.approx(truth.fixed_s, rel=1e-4)
+    assert out.step_cost.per_token_s == pytest.approx(truth.per_token_s, rel=1e-4)
+    assert out.decode == prof.decode and out.prefill == prof.prefill
+    assert "sec-spike-paper seed 3" in out.source
+    path = tmp_path / "refit.json"
+    path.write_text(out.model_dump_json())
+    assert load_profile(str(path)) == out
