@@ -15,9 +15,9 @@ Calibration fits only the *workload and the engine model*, never the policy unde
   step-cost slope beyond ``B0`` (``alpha``), the per-token prefill cost (``prefill_scale``
   x the profile's ``l_min / 512``, itself a guess rather than a published figure; joined
   the grid in stop 34: it sets the baselines' TTFT tail under Eq. (1)), whether the
-  serverless pool starts warm (do cold starts enter TTFT), and how TTFT is counted (``ttft_eq1``: 0, from arrival; 1, the
-  paper's own Eq. (1), the cold start plus the steps from the admission step, see
-  :mod:`bench.decode_sim`), fitted on FCFS, DynamicBatch and ServerlessLLM
+  serverless pool starts warm (do cold starts enter TTFT), and how TTFT is counted
+  (``ttft_eq1``: 0, from arrival; 1, the paper's own Eq. (1), the cold start plus the
+  steps from the admission step, see :mod:`bench.decode_sim`), fitted on FCFS, DynamicBatch and ServerlessLLM
   (:data:`TWP_TARGETS`, the paper's Fig. 5 and Fig. 7). The accounting is a measurement
   choice, not a policy parameter: it is chosen on the baselines like the rest, and the
   report prints every policy's TTFT both ways.
