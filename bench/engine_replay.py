@@ -122,13 +122,6 @@ def _chunk_log(sched: Any) -> Iterator[list[list[tuple[int, int]]]]:
         del sched.schedule
 
 
-def _step_cost_of(sc: StepCost, chunks: Sequence[Sequence[int]]) -> float:
-    """The simulator's cost of one step (``bench.prefill_sim``'s model)."""
-    tokens = sum(c for c, _ in chunks)
-    attn = sum(c * p + c * (c + 1) / 2 for c, p in chunks)
-    return sc.fixed_s + sc.per_token_s * tokens + sc.attn_per_ctx_token_s * attn
-
-
 def step_cost_check(
     steps: dict[str, Sequence[Sequence[Any]]], profile_cost: StepCost, *, long_head: int = 2048
 ) -> dict[str, Any]:
@@ -141,13 +134,14 @@ def step_cost_check(
     ``long_context``: steps with a chunk that starts at or beyond ``long_head`` tokens
     (past what the profile measured before stop 34) against ``short_context``; and the
     replay's wall time in thirds per policy (``third_1..3``: the machine's drift)."""
-    every = [(float(t), [(int(c), int(p)) for c, p in ch]) for st in steps.values() for t, ch in st]
-    every = [(t, ch) for t, ch in every if ch]
+    per_policy = {
+        pol: [(float(t), [(int(c), int(p)) for c, p in ch]) for t, ch in st if ch]
+        for pol, st in steps.items()
+    }
+    every = [row for rows in per_policy.values() for row in rows]
     refit = fit_step_cost_steps([(ch, t) for t, ch in every]) if len(every) >= 3 else profile_cost
-    groups: dict[str, list[tuple[float, list[tuple[int, int]]]]] = {"all": every}
-    for pol, st in steps.items():
-        rows = [(float(t), [(int(c), int(p)) for c, p in ch]) for t, ch in st if ch]
-        groups[pol] = rows
+    groups: dict[str, list[tuple[float, list[tuple[int, int]]]]] = {"all": every, **per_policy}
+    for rows in per_policy.values():
         n = len(rows)
         for k in range(3):
             groups.setdefault(f"third_{k + 1}", []).extend(rows[k * n // 3 : (k + 1) * n // 3])
@@ -156,8 +150,8 @@ def step_cost_check(
     report: dict[str, Any] = {}
     for name, rows in groups.items():
         meas = sum(t for t, _ in rows)
-        pred = sum(_step_cost_of(profile_cost, ch) for _, ch in rows)
-        fit = sum(_step_cost_of(refit, ch) for _, ch in rows)
+        pred = sum(profile_cost.seconds(ch) for _, ch in rows)
+        fit = sum(refit.seconds(ch) for _, ch in rows)
         report[name] = {
             "steps": len(rows),
             "measured_s": round(meas, 3),
@@ -229,6 +223,15 @@ def replay(
     measured: dict[str, dict[str, Any]] = {}
     predicted: dict[str, dict[str, Any]] = {}
     sched = live_scheduler(llm)
+    sim_config = EngineConfig(
+        token_budget=token_budget, max_running=max_running, block_size=work.block_size
+    )
+
+    def predict(prof: EngineProfile, policy: str) -> dict[str, Any]:
+        """The simulator's report for the same replay on ``prof``."""
+        run = simulate(work.requests, policy, prof, kv_blocks, config=sim_config, warm=work.warm)
+        return policy_report(run, keys)
+
     for policy in policies:
         configure(policy)
         for i, w in enumerate(warm):
@@ -269,17 +272,7 @@ def replay(
         measured[policy]["cached_tokens"] = cached
         measured[policy]["ttft_s"] = {k: round(v, 4) for k, v in ttft.items()}
         measured[policy]["steps"] = [[round(t, 5), ch] for t, ch in steps]
-        sim = simulate(
-            work.requests,
-            policy,
-            profile,
-            kv_blocks,
-            config=EngineConfig(
-                token_budget=token_budget, max_running=max_running, block_size=work.block_size
-            ),
-            warm=work.warm,
-        )
-        predicted[policy] = policy_report(sim, keys)
+        predicted[policy] = predict(profile, policy)
     out["policies"] = measured
     out["sim"]["policies"] = predicted
     out["step_cost_check"] = step_cost_check(
@@ -290,24 +283,7 @@ def replay(
         "simulated": True,
         "note": "the simulator with its step cost refitted on this replay's own measured "
         "steps (in-sample: a diagnosis of the queue model, not a prediction)",
-        "policies": {
-            p: policy_report(
-                simulate(
-                    work.requests,
-                    p,
-                    refit,
-                    kv_blocks,
-                    config=EngineConfig(
-                        token_budget=token_budget,
-                        max_running=max_running,
-                        block_size=work.block_size,
-                    ),
-                    warm=work.warm,
-                ),
-                keys,
-            )
-            for p in measured
-        },
+        "policies": {p: predict(refit, p) for p in measured},
     }
     for block, reps in (
         (out, measured),

@@ -449,10 +449,7 @@ class PrefillEngine:
         return StepResult(now, duration, scheduled, finished)
 
     def _cost(self, chunks: list[tuple[_Live, int, int]]) -> float:
-        sc = self.profile.step_cost
-        tokens = sum(c for _, _, c in chunks)
-        attn = sum(c * p + c * (c + 1) / 2 for _, p, c in chunks)
-        return sc.fixed_s + sc.per_token_s * tokens + sc.attn_per_ctx_token_s * attn
+        return self.profile.step_cost.seconds((c, p) for _, p, c in chunks)
 
     def _advance(self, chunks: list[tuple[_Live, int, int]], end: float) -> list[FinishedRequest]:
         bs = self.config.block_size

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -82,6 +83,15 @@ class StepCost(_Frozen):
         ge=0,
         description="Attention cost per scheduled token per token of context it attends to (s/token^2).",
     )
+
+    def seconds(self, chunks: Iterable[tuple[int, int]]) -> float:
+        """One step's cost over its chunks ``(c, p)``: ``c`` tokens of a request from position
+        ``p``, each attending to ``p`` cached tokens plus its own causal prefix."""
+        tokens = attn = 0.0
+        for c, p in chunks:
+            tokens += c
+            attn += c * p + c * (c + 1) / 2
+        return self.fixed_s + self.per_token_s * tokens + self.attn_per_ctx_token_s * attn
 
 
 class DecodeProfile(_Frozen):

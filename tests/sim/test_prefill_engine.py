@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
@@ -201,6 +202,15 @@ def test_engine_profile_defaults_config() -> None:
     assert isinstance(PROFILE, EngineProfile)
 
 
+def _written_out_cost(sc: Any, ch: list[list[int]]) -> float:
+    """The step-cost model written out here, apart from ``StepCost.seconds``."""
+    return (
+        sc.fixed_s
+        + sc.per_token_s * sum(c for c, _ in ch)
+        + sc.attn_per_ctx_token_s * sum(c * p + c * (c + 1) / 2 for c, p in ch)
+    )
+
+
 def test_the_step_cost_check_prices_a_replays_steps_and_refits_them() -> None:
     """``bench replay``'s check: a profile that prices every step at twice its measured
     time reads 2.0, the refit recovers the true coefficients, and steps with a chunk
@@ -211,13 +221,6 @@ def test_the_step_cost_check_prices_a_replays_steps_and_refits_them() -> None:
     truth = StepCost(fixed_s=0.004, per_token_s=1.5e-4, attn_per_ctx_token_s=3e-8)
     double = StepCost(fixed_s=0.008, per_token_s=3e-4, attn_per_ctx_token_s=6e-8)
 
-    def cost(ch: list[list[int]]) -> float:
-        return (
-            truth.fixed_s
-            + truth.per_token_s * sum(c for c, _ in ch)
-            + truth.attn_per_ctx_token_s * sum(c * p + c * (c + 1) / 2 for c, p in ch)
-        )
-
     shapes = [
         [[2048, 0]],
         [[512, 0]] * 4,
@@ -227,8 +230,8 @@ def test_the_step_cost_check_prices_a_replays_steps_and_refits_them() -> None:
         [[1000, 2048]],
     ]
     steps = {
-        "fcfs": [[cost(ch), ch] for ch in shapes[:3]],
-        "lpm": [[cost(ch), ch] for ch in shapes[3:]],
+        "fcfs": [[_written_out_cost(truth, ch), ch] for ch in shapes[:3]],
+        "lpm": [[_written_out_cost(truth, ch), ch] for ch in shapes[3:]],
     }
     out = step_cost_check(steps, double, long_head=2048)
     g = out["groups"]
@@ -252,17 +255,7 @@ def test_a_replays_refitted_profile_round_trips_as_a_profile_file(tmp_path) -> N
     prof = load_profile("cpu2core_vllm032_bench")
     truth = StepCost(fixed_s=0.03, per_token_s=1e-4, attn_per_ctx_token_s=3e-8)
     shapes = [[[2048, 0]], [[512, 0]] * 4, [[256, 4096]] * 4, [[300, 5000], [1000, 0]], [[64, 0]]]
-    steps = {
-        "fcfs": [
-            [
-                truth.fixed_s
-                + truth.per_token_s * sum(c for c, _ in ch)
-                + truth.attn_per_ctx_token_s * sum(c * p + c * (c + 1) / 2 for c, p in ch),
-                ch,
-            ]
-            for ch in shapes
-        ]
-    }
+    steps = {"fcfs": [[_written_out_cost(truth, ch), ch] for ch in shapes]}
     out = refit_profile(prof, step_cost_check(steps, prof.step_cost), "sec-spike-paper seed 3")
     assert out.step_cost.fixed_s == pytest.approx(truth.fixed_s, rel=1e-4)
     assert out.step_cost.per_token_s == pytest.approx(truth.per_token_s, rel=1e-4)
