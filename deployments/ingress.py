@@ -846,9 +846,13 @@ class IngressCore:
         for role, d in self.directories.items():
             rows = []
             for rid, rep in sorted(d.snapshot().items()):
+                ts = float(rep.get("ts", 0.0) or 0.0)
                 rows.append(
                     {"id": rid, "routed": rep.get("requests", 0)}
                     | {k: rep[k] for k in _REPORT_KEYS if k in rep}
+                    # when the engine's load was read (wall clock): a report older than a
+                    # few periods is stale (a wedged engine's, or one Serve has not polled)
+                    | ({"report_ts": ts} if ts else {})
                 )
             replicas[role] = rows
             totals[role] = {

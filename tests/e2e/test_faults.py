@@ -184,12 +184,19 @@ def pinned(app: dict[str, Any], replica: str) -> int:
 
 def nothing_pinned(app: dict[str, Any]) -> None:
     """Wait until no prefill replica holds KV for a pull (an earlier request's pull or lease
-    done), so a test's own request is the one it sees pinned and freed."""
-    wait_until(
-        lambda: all(pinned(app, k) == 0 for k in rows(app, "prefill")),
-        "no prefill KV pinned for a pull",
-        45,
-    )
+    done), so a test's own request is the one it sees pinned and freed. Only reports read
+    after the wait began count (``report_ts``): a report from just before an earlier test's
+    last prefill ended shows nothing pinned while its KV is (an async_llm run, and the CI
+    run at stop 34, then saw two requests pinned where the test's own was one)."""
+    since = time.time()
+
+    def clear() -> bool:
+        now = rows(app, "prefill").values()
+        return all(
+            float(r.get("report_ts", 0)) > since and int(r["kv_pinned_requests"]) == 0 for r in now
+        )
+
+    wait_until(clear, "no prefill KV pinned for a pull (in reports read since)", 45)
 
 
 def in_flight(row: dict[str, Any]) -> int:
@@ -594,17 +601,44 @@ def test_a_client_that_goes_away_frees_both_engines(faults: dict[str, Any]) -> N
     sock = open_stream(faults, body(prompt(700, 4), 64, stream=True))
 
     def holder() -> str | None:
-        """The prefill replica that served it, once both roles' reports show it."""
+        """The prefill replica that served it and holds its KV for the pull, once both
+        roles' reports show it (one condition: each replica reports on its own period)."""
         if sum(int(r["requests"]) for r in rows(faults, "decode").values()) <= taken:
             return None
         now = rows(faults, "prefill")
-        return next((k for k in served if int(now.get(k, {}).get("requests", 0)) > served[k]), None)
+        return next(
+            (
+                k
+                for k in served
+                if int(now.get(k, {}).get("requests", 0)) > served[k]
+                and int(now[k]["kv_pinned_requests"]) == 1
+            ),
+            None,
+        )
+
+    def seen() -> str:
+        """What the reports showed (a failed wait's diagnosis)."""
+        keys = ("requests", "kv_pinned_requests", "waiting", "running", "requests_aborted")
+        return (
+            "; ".join(
+                f"{role} {rid}: " + " ".join(f"{k}={r.get(k)}" for k in keys)
+                for role in ("prefill", "decode")
+                for rid, r in rows(faults, role).items()
+            )
+            + f"; before: prefill requests {served}, decode requests {taken}"
+        )
 
     # the reports come every fraction of a second; the decode engines stay wedged for 20 s
-    wait_until(lambda: holder() is not None, "the decode replica holds the request", 12)
-    held = holder()
-    assert held is not None
-    wait_until(lambda: pinned(faults, held) == 1, "its KV pinned for the pull", 5)
+    found: list[str] = []
+
+    def held_now() -> bool:
+        h = holder()
+        if h is not None:
+            found.append(h)
+        return h is not None
+
+    wait_until(held_now, "the decode replica holds it, its KV pinned", 15, seen)
+    held = found[-1]
     sock.close()  # the client goes away
     tally.add("abandoned")
     wait_until(
