@@ -182,6 +182,87 @@ def refit_profile(profile: EngineProfile, check: dict[str, Any], what: str) -> E
     )
 
 
+#: The prediction band's half-width: the simulator is run again with every step this much
+#: cheaper and dearer. Why 2%: in the stop-34 replays a step cost that priced all steps at
+#: 1.00x their measured time priced each policy's own steps at 0.97-1.03x (a hit-first
+#: order packs more short chunks on long cached heads into a step, which the linear model
+#: prices a little high), and near saturation that error is not small in TTFT: priced
+#: exactly on Fairway's own steps (0.985x) the seed-3 spike median went from 4.57 s to 3.06 s
+#: against 2.98 s measured. A prediction is worth as much as its band.
+BAND_REL = 0.02
+
+
+def prediction_band(
+    predict: Callable[[EngineProfile, str], dict[str, Any]],
+    profile: EngineProfile,
+    policies: Sequence[str],
+    central: dict[str, dict[str, Any]],
+    rel: float = BAND_REL,
+    points: int = 9,
+) -> dict[str, Any]:
+    """The simulator's prediction with the step cost scaled from ``1 - rel`` to ``1 + rel``.
+
+    The scale takes ``points`` evenly spaced values, not only the two ends: a percentile of
+    a bimodal TTFT (a spike's hits served at once, its misses queued) jumps as the queue
+    crosses it, so it need not move monotonically with the step cost (seed 3's Fairway
+    spike median: 3.23 s at 0.97, 2.90 s at 0.98, 4.57 s at 1). ``central`` is the
+    prediction at 1, already made. Returns ``policies``: per policy and phase, ``[low,
+    high]`` of p50 and p99 TTFT over the points and ``central``; and ``six_targets``: per
+    policy, ``[fewest, most]`` of the paper's targets met over them (``None`` without FCFS
+    and LPM: the targets are relative to them)."""
+    factors = [1.0 - rel + 2.0 * rel * k / max(1, points - 1) for k in range(points)]
+    runs = [central] + [
+        {pol: predict(_scaled(profile, f), pol) for pol in policies}
+        for f in factors
+        if abs(f - 1.0) > 1e-9
+    ]
+    band: dict[str, dict[str, dict[str, list[float]]]] = {}
+    for pol in policies:
+        reps = [run[pol]["ttft"] for run in runs]
+        band[pol] = {
+            ph: {
+                stat: [min(r[ph][stat] for r in reps), max(r[ph][stat] for r in reps)]
+                for stat in ("p50", "p99")
+            }
+            for ph in reps[0]
+            if all(r[ph]["n"] for r in reps)
+        }
+    counts = [six_targets({pol: run[pol] for pol in policies}) for run in runs]
+    met = [[c[pol]["met"] for c in counts if c is not None] for pol in policies]
+    targets = (
+        {pol: [min(m), max(m)] for pol, m in zip(policies, met, strict=True)}
+        if all(c is not None for c in counts)
+        else None
+    )
+    return {"policies": band, "six_targets": targets}
+
+
+def _scaled(profile: EngineProfile, factor: float) -> EngineProfile:
+    return profile.model_copy(update={"step_cost": profile.step_cost.scaled(factor)})
+
+
+def band_coverage(
+    measured: dict[str, dict[str, Any]], band: dict[str, dict[str, dict[str, list[float]]]]
+) -> dict[str, dict[str, Any]]:
+    """Per policy: how many of the band's cells (phase x p50/p99) hold the measured value,
+    and the ones that do not (``"spike p50 above"``: measured above the band)."""
+    out: dict[str, dict[str, Any]] = {}
+    for pol, phases in band.items():
+        t = measured[pol]["ttft"]
+        outside = []
+        cells = 0
+        for ph, stats in phases.items():
+            for stat, (lo, hi) in stats.items():
+                v = t[ph][stat]
+                cells += 1
+                if v < lo:
+                    outside.append(f"{ph} {stat} below")
+                elif v > hi:
+                    outside.append(f"{ph} {stat} above")
+        out[pol] = {"inside": cells - len(outside), "cells": cells, "outside": outside}
+    return out
+
+
 def replay(
     llm: Any,
     work: Workload,
@@ -194,9 +275,12 @@ def replay(
     configure: Callable[[str], None],
     progress: Callable[[str, int, int], None] | None = None,
     max_wall_s: float = 3600.0,
+    band_rel: float = BAND_REL,
 ) -> dict[str, Any]:
     """Replay ``work`` through ``llm`` once per policy (``configure(policy)`` switches the
-    live scheduler and resets the prefix cache); returns measured and simulated reports."""
+    live scheduler and resets the prefix cache); returns measured and simulated reports,
+    the simulator's band (:func:`prediction_band`, ``band_rel``) and whether the measured
+    figures fall in it."""
     from vllm import SamplingParams
 
     from engines.runtime import live_scheduler
@@ -275,6 +359,15 @@ def replay(
         predicted[policy] = predict(profile, policy)
     out["policies"] = measured
     out["sim"]["policies"] = predicted
+    band = prediction_band(predict, profile, list(measured), predicted, band_rel)
+    out["sim_band"] = {
+        "simulated": True,
+        "rel": band_rel,
+        "note": f"the simulator's p50 and p99 with every step {band_rel:.0%} cheaper and "
+        "dearer: the spread of a step cost's accuracy across policies",
+        **band,
+        "coverage": band_coverage(measured, band["policies"]),
+    }
     out["step_cost_check"] = step_cost_check(
         {p: measured[p]["steps"] for p in measured}, profile.step_cost
     )
@@ -306,6 +399,7 @@ def run_engine_replay(
     token_budget: int = 2048,
     max_running: int = 64,
     progress: Callable[[str, int, int], None] | None = None,
+    band_rel: float = BAND_REL,
 ) -> dict[str, Any]:
     """Start one in-process engine (KV capped at the workload's cache) and :func:`replay`."""
     from engines.config import EngineSchedulerConfig
@@ -339,6 +433,7 @@ def run_engine_replay(
             max_running=max_running,
             configure=configure,
             progress=progress,
+            band_rel=band_rel,
         )
     finally:
         llm.llm_engine.engine_core.shutdown()

@@ -93,6 +93,14 @@ class StepCost(_Frozen):
             attn += c * p + c * (c + 1) / 2
         return self.fixed_s + self.per_token_s * tokens + self.attn_per_ctx_token_s * attn
 
+    def scaled(self, factor: float) -> StepCost:
+        """Every step ``factor`` times as long (all three coefficients scaled)."""
+        return StepCost(
+            fixed_s=self.fixed_s * factor,
+            per_token_s=self.per_token_s * factor,
+            attn_per_ctx_token_s=self.attn_per_ctx_token_s * factor,
+        )
+
 
 class DecodeProfile(_Frozen):
     """Decode step latency model ``l(B) = l_min`` for ``B <= b0``, ``l_min + alpha_s * (B - b0)`` beyond."""

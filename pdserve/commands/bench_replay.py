@@ -31,6 +31,13 @@ def replay(
     token_budget: int = typer.Option(2048, min=64, help="max_num_batched_tokens."),
     json_out: Path | None = typer.Option(None, "--json", help="Write the results as JSON here."),
     plot: Path | None = typer.Option(None, "--plot", help="Write a PNG: engine vs simulator."),
+    band: float = typer.Option(
+        0.02,
+        min=0.0,
+        max=0.5,
+        help="Half-width of the simulator's prediction band: every step this fraction "
+        "cheaper and dearer (0.02: the per-policy accuracy of a well-fitted step cost).",
+    ),
     save_profile: Path | None = typer.Option(
         None,
         "--save-profile",
@@ -100,6 +107,7 @@ def replay(
             cache_dir=cache,
             token_budget=token_budget,
             progress=progress,
+            band_rel=band,
         )
     for b in bars.values():
         b.close()
@@ -131,6 +139,7 @@ def replay_rows(res: dict, keys: list[str]) -> tuple[list[str], list[list[object
     sources = [("engine", res), ("simulated", res["sim"])]
     if "sim_refit" in res:
         sources.append(("simulated, step cost refit", res["sim_refit"]))
+    band = res.get("sim_band")
     for policy in res["policies"]:
         for src, block in sources:
             t = block["policies"][policy]["ttft"]
@@ -140,7 +149,20 @@ def replay_rows(res: dict, keys: list[str]) -> tuple[list[str], list[list[object
             tg = block.get("six_targets")
             row.append(f"{tg[policy]['met']}/6" if tg else "-")
             rows.append(row)
+        if band is not None and policy in band["policies"]:
+            cells = band["policies"][policy]
+            row = [policy, f"simulated, step cost +/-{band['rel']:.0%}"]
+            for k in keys:
+                row += [_span(cells[k]["p50"]), _span(cells[k]["p99"])] if k in cells else ["-"] * 2
+            cov, tg = band["coverage"][policy], band.get("six_targets")
+            met = "" if not tg else f"; {tg[policy][0]}-{tg[policy][1]}/6"
+            row.append(f"engine in {cov['inside']}/{cov['cells']}{met}")
+            rows.append(row)
     return headers, rows
+
+
+def _span(lo_hi: list[float]) -> str:
+    return f"{lo_hi[0]:.2f}-{lo_hi[1]:.2f}"
 
 
 def step_check_text(check: dict) -> str:
@@ -171,8 +193,9 @@ def _r(x: float | None) -> object:
 
 
 def replay_plot(path: Path, res: dict, keys: list[str]) -> None:
-    """p50 and p99 TTFT per phase and policy: engine (solid), simulator (hatched), and the
-    simulator with the step cost refitted on the replay (dotted) where present."""
+    """p50 and p99 TTFT per phase and policy: engine (solid), simulator (hatched, with its
+    band as error bars), and the simulator with the step cost refitted on the replay
+    (dotted) where present."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -191,6 +214,18 @@ def replay_plot(path: Path, res: dict, keys: list[str]) -> None:
         for i, p in enumerate(pols):
             for j, (src, block) in enumerate(sources):
                 vals = [block["policies"][p]["ttft"][k][stat] or 0 for k in keys]
+                yerr = None
+                band = res.get("sim_band", {}).get("policies", {}).get(p)
+                if src == "sim" and band is not None:  # the step cost's +/- band
+                    spans = [
+                        band.get(k, {}).get(stat, [v, v]) for k, v in zip(keys, vals, strict=True)
+                    ]
+                    yerr = np.array(
+                        [
+                            [max(0.0, v - lo) for v, (lo, _) in zip(vals, spans, strict=True)],
+                            [max(0.0, hi - v) for v, (_, hi) in zip(vals, spans, strict=True)],
+                        ]
+                    )
                 ax.bar(
                     x + (len(sources) * i + j) * w,
                     vals,
@@ -199,6 +234,8 @@ def replay_plot(path: Path, res: dict, keys: list[str]) -> None:
                     hatch=hatches[j],
                     alpha=0.6 if j else 1.0,
                     color=f"C{i}",
+                    yerr=yerr,
+                    capsize=2,
                 )
         ax.set_xticks(x + 0.4 - w / 2, keys)
         ax.set_ylabel(f"TTFT {stat} (s)")

@@ -264,3 +264,43 @@ def test_a_replays_refitted_profile_round_trips_as_a_profile_file(tmp_path) -> N
     path = tmp_path / "refit.json"
     path.write_text(out.model_dump_json())
     assert load_profile(str(path)) == out
+
+
+def test_the_prediction_band_brackets_the_simulator_and_widens_with_a_queue() -> None:
+    """``bench replay``'s band: the simulator at every step ``rel`` cheaper and dearer. It
+    holds the central prediction, is a point at ``rel = 0``, and is wide where a queue
+    builds (a 2% dearer step, arrivals faster than the engine serves: every later request
+    waits longer) and narrow on an idle engine."""
+    from bench.engine_replay import band_coverage, prediction_band
+    from bench.prefill_report import policy_report
+    from bench.prefill_sim import SimRequest
+
+    # calm: one 1,024-token prompt per second; spike: 40 arriving faster than served
+    one = PROFILE.prefill_seconds(1024)
+    calm = [SimRequest(f"c{i}", float(i), 1024, (), ("calm",)) for i in range(5)]
+    spike = [SimRequest(f"s{i}", 10.0 + i * one * 0.8, 1024, (), ("spike",)) for i in range(40)]
+    work = calm + spike
+
+    def predict(prof: EngineProfile, pol: str) -> dict[str, Any]:
+        return policy_report(simulate(work, pol, prof, 1000), ["calm", "spike"])
+
+    central = {"fcfs": predict(PROFILE, "fcfs")}
+    out = prediction_band(predict, PROFILE, ["fcfs"], central, rel=0.02)
+    assert out["six_targets"] is None  # relative to FCFS and LPM: not without LPM
+    band = out["policies"]["fcfs"]
+    point = prediction_band(predict, PROFILE, ["fcfs"], central, rel=0.0)["policies"]["fcfs"]
+    for ph in ("all", "calm", "spike"):
+        for stat in ("p50", "p99"):
+            lo, hi = band[ph][stat]
+            assert lo <= central["fcfs"]["ttft"][ph][stat] <= hi
+            assert point[ph][stat][0] == pytest.approx(point[ph][stat][1])
+    width = {ph: band[ph]["p99"][1] / band[ph]["p99"][0] - 1 for ph in ("calm", "spike")}
+    assert width["calm"] == pytest.approx(0.04 / 0.98, rel=0.05)  # idle: the step's own 2%
+    assert width["spike"] > 2 * width["calm"]  # queued: the waits add up
+    # the measured figures placed inside, below and above the band
+    measured = {"fcfs": {"ttft": {ph: dict(central["fcfs"]["ttft"][ph]) for ph in band}}}
+    measured["fcfs"]["ttft"]["spike"]["p99"] = band["spike"]["p99"][1] * 1.5
+    measured["fcfs"]["ttft"]["calm"]["p50"] = band["calm"]["p50"][0] * 0.5
+    cov = band_coverage(measured, {"fcfs": band})["fcfs"]
+    assert cov["cells"] == 6 and cov["inside"] == 4
+    assert sorted(cov["outside"]) == ["calm p50 below", "spike p99 above"]

@@ -82,7 +82,15 @@ def test_a_replay_serves_every_request_at_its_time_on_the_real_engine(
         assert sum(c for _, ch in got["steps"] for c, _ in ch) == computed
         assert all(t > 0 for t, _ in got["steps"])
         assert res["sim_refit"]["policies"][policy]["ttft"]["all"]["n"] == 8
+        # the simulator's band holds its own prediction; the coverage counts every cell
+        band = res["sim_band"]["policies"][policy]
+        lo, hi = band["spike"]["p99"]
+        assert lo <= sim["ttft"]["spike"]["p99"] <= hi and lo < hi
+        cov = res["sim_band"]["coverage"][policy]
+        assert cov["cells"] == 2 * len(band) and cov["inside"] + len(cov["outside"]) == cov["cells"]
     check = res["step_cost_check"]["groups"]
     assert check["all"]["steps"] == check["fcfs"]["steps"] + check["fairway"]["steps"]
     assert check["all"]["steps"] == check["long_context"]["steps"] + check["short_context"]["steps"]
     assert seen[-1] == ("fairway", 8, 8)
+    # no targets in the band without LPM (the targets are relative to FCFS and LPM)
+    assert res["sim_band"]["six_targets"] is None and res["sim_band"]["rel"] == 0.02
