@@ -137,6 +137,15 @@ def test_quick_report_writes_markdown_json_and_plots_with_ratios(tmp_path: Path)
     )
     tg = data["reports"]["spike"]["3"]["six_targets"]
     assert rows["Fairway targets met"][3] == f"{tg['fairway']['met']}/6"
+    # the targets over the step-cost band: nine points, the calibrated one (1.0) among
+    # them with the report's own counts, and the span covers every point
+    band = data["spike_band"]["3"]
+    assert [p["factor"] for p in band["points"]][::4] == [0.98, 1.0, 1.02]
+    assert band["points"][4]["met"] == {p: t["met"] for p, t in tg.items()}
+    fw = [p["met"]["fairway"] for p in band["points"]]
+    assert band["fairway"] == [min(fw), max(fw)]
+    lo, hi = band["fairway"]
+    assert rows["Fairway targets met, step cost +/-2%"][3] == f"{lo}-{hi}/6"
     twp = {r[0]: r for r in data["sections"]["TWP headline"]}
     assert "direction: TWP has the highest throughput (tok/s)" in twp
     # TTFT both ways: the paper's Eq. (1) and from arrival, each from its own report block
