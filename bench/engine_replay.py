@@ -237,6 +237,63 @@ def prediction_band(
     return {"policies": band, "six_targets": targets}
 
 
+def _band_block(
+    predict: Callable[[EngineProfile, str], dict[str, Any]],
+    profile: EngineProfile,
+    measured: dict[str, dict[str, Any]],
+    central: dict[str, dict[str, Any]],
+    rel: float,
+) -> dict[str, Any]:
+    """A replay's ``sim_band``: :func:`prediction_band` and :func:`band_coverage`."""
+    band = prediction_band(predict, profile, list(measured), central, rel)
+    return {
+        "simulated": True,
+        "rel": rel,
+        "note": f"the simulator's p50 and p99 with every step {rel:.0%} cheaper to {rel:.0%} "
+        "dearer: the spread of a step cost's accuracy across policies",
+        **band,
+        "coverage": band_coverage(measured, band["policies"]),
+    }
+
+
+def rebuild_workload(res: dict[str, Any]) -> Workload:
+    """The workload a stored replay (``bench replay --json``) ran: its scenario and seed
+    built at the profile it used (``quick`` as stored; replays written before stop 35 did
+    not store it, and then the form whose request count matches is taken)."""
+    from bench.prefill_scenarios import build_scenario
+
+    prof = EngineProfile.model_validate(res["profile_used"])
+    for quick in [res["quick"]] if "quick" in res else [False, True]:
+        work = build_scenario(res["scenario"], seed=int(res["seed"]), quick=quick, profile=prof)
+        if len(work.requests) == res["requests"]:
+            return work
+    raise ValueError(
+        f"{res['scenario']} seed {res['seed']} at the stored profile does not give the "
+        f"replay's {res['requests']} requests (built with another version of the scenario?)"
+    )
+
+
+def band_of_stored(res: dict[str, Any], rel: float = BAND_REL) -> dict[str, Any]:
+    """The simulator's band for a stored replay, from what it stored: the workload rebuilt
+    (:func:`rebuild_workload`), the prediction at its profile simulated again, and the
+    measured figures held against the band (no engine runs)."""
+    work = rebuild_workload(res)
+    prof = EngineProfile.model_validate(res["profile_used"])
+    cfg = EngineConfig(
+        token_budget=int(res["token_budget"]),
+        max_running=int(res.get("max_running", 64)),
+        block_size=work.block_size,
+    )
+    keys = list(work.keys)
+
+    def predict(p: EngineProfile, policy: str) -> dict[str, Any]:
+        run = simulate(work.requests, policy, p, int(res["kv_blocks"]), config=cfg, warm=work.warm)
+        return policy_report(run, keys)
+
+    central = {pol: predict(prof, pol) for pol in res["policies"]}
+    return _band_block(predict, prof, res["policies"], central, rel)
+
+
 def _scaled(profile: EngineProfile, factor: float) -> EngineProfile:
     return profile.model_copy(update={"step_cost": profile.step_cost.scaled(factor)})
 
@@ -359,15 +416,8 @@ def replay(
         predicted[policy] = predict(profile, policy)
     out["policies"] = measured
     out["sim"]["policies"] = predicted
-    band = prediction_band(predict, profile, list(measured), predicted, band_rel)
-    out["sim_band"] = {
-        "simulated": True,
-        "rel": band_rel,
-        "note": f"the simulator's p50 and p99 with every step {band_rel:.0%} cheaper and "
-        "dearer: the spread of a step cost's accuracy across policies",
-        **band,
-        "coverage": band_coverage(measured, band["policies"]),
-    }
+    out["max_running"] = max_running
+    out["sim_band"] = _band_block(predict, profile, measured, predicted, band_rel)
     out["step_cost_check"] = step_cost_check(
         {p: measured[p]["steps"] for p in measured}, profile.step_cost
     )

@@ -112,6 +112,7 @@ def replay(
     for b in bars.values():
         b.close()
     res["seed"] = seed
+    res["quick"] = quick
     res["profile"] = profile
     res["profile_used"] = prof.model_dump(mode="json")
     res["notes"] = list(work.notes)
@@ -126,6 +127,42 @@ def replay(
         write_json(save_profile, refit.model_dump(mode="json"))
     if plot is not None:
         replay_plot(plot, res, list(work.keys))
+        typer.echo(f"wrote {plot}")
+
+
+@bench_app.command("replay-band")
+def replay_band(
+    json_in: Path = typer.Option(..., "--json", help="A `bench replay --json` result."),
+    band: float = typer.Option(
+        0.02, min=0.0, max=0.5, help="Half-width of the band (see `bench replay --band`)."
+    ),
+    out: Path | None = typer.Option(None, "--out", help="Write the result with its band here."),
+    plot: Path | None = typer.Option(None, "--plot", help="Write the replay's PNG with the band."),
+) -> None:
+    """The simulator's band for a stored replay, from its own file: the workload rebuilt at
+    the profile it used, the prediction simulated again at every step cost of the band
+    (SIMULATED; the engine's figures are the stored measurements; no engine runs)."""
+    import json
+
+    from bench.engine_replay import band_of_stored, rebuild_workload
+
+    try:
+        res = json.loads(json_in.read_text())
+        keys = list(rebuild_workload(res).keys)
+        res["sim_band"] = band_of_stored(res, band)
+    except FileNotFoundError:
+        raise typer.BadParameter(f"no file {json_in}", param_hint="--json") from None
+    except (KeyError, ValueError, TypeError) as e:
+        raise typer.BadParameter(
+            f"not a `bench replay --json` result: {e!r}", param_hint="--json"
+        ) from None
+    typer.echo(f"{res['scenario']} seed {res['seed']}: {res['requests']} requests (band SIMULATED)")
+    headers, rows = replay_rows(res, keys)
+    typer.echo(table(headers, rows))
+    if out is not None:
+        write_json(out, res)
+    if plot is not None:
+        replay_plot(plot, res, keys)
         typer.echo(f"wrote {plot}")
 
 
