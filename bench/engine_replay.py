@@ -184,11 +184,11 @@ def refit_profile(profile: EngineProfile, check: dict[str, Any], what: str) -> E
 
 #: The prediction band's half-width: the simulator is run again with every step this much
 #: cheaper and dearer. Why 2%: in the stop-34 replays a step cost that priced all steps at
-#: 1.00x their measured time priced each policy's own steps at 0.97-1.03x (a hit-first
-#: order packs more short chunks on long cached heads into a step, which the linear model
-#: prices a little high), and near saturation that error is not small in TTFT: priced
-#: exactly on Fairway's own steps (0.985x) the seed-3 spike median went from 4.57 s to 3.06 s
-#: against 2.98 s measured. A prediction is worth as much as its band.
+#: 1.00x their measured time priced each policy's own steps at 0.97-1.03x. The policies run
+#: one after another, and identical steps took 2-4% longer or shorter from one policy's
+#: run to the next (the shared machine's speed). Near saturation that is not small in
+#: TTFT: priced exactly on Fairway's own steps (its profile x 0.985), the seed-3 spike
+#: median went from 4.57 s to 3.06 s, against 2.98 s measured.
 BAND_REL = 0.02
 
 
