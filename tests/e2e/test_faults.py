@@ -309,21 +309,36 @@ def kill_once_held(
 ) -> int:
     """Start requests (``one(i)``, each on a thread added to ``threads``) in waves of two
     until the router has put some on the wedged ``victim``, kill it, and wait for every
-    request to end; how many the victim held."""
-    for wave in range(10):
-        for j in range(2):
-            threads.append(threading.Thread(target=one, args=(2 * wave + j,)))
-            threads[-1].start()
-        try:
-            wait_until(lambda: in_flight(rows(app, role)[victim]) > 0, "one held", 5)
-            break
-        except AssertionError:
-            continue
-    held = in_flight(rows(app, role)[victim])
-    assert held > 0
-    kill(victim, rows(app, role)[victim]["pid"])
-    for th in threads:
-        th.join(180)
+    request to end; how many the victim held (its report when the wait saw it hold some).
+
+    The count is the one the wait saw, not a second read: a CI run at stop 35 saw the
+    victim hold one and, a read later, none (cause not found; perhaps a call that Serve
+    re-routed before the replica's acceptance reached it, as the tests' comments on the
+    retry counts describe), failed before the kill and left the victim wedged for the
+    next test, which failed too. The victim is killed whatever happens, so a failure
+    stays in its own test."""
+    seen = [0]
+
+    def holding() -> bool:
+        seen.append(in_flight(rows(app, role)[victim]))
+        return seen[-1] > 0
+
+    try:
+        for wave in range(10):
+            for j in range(2):
+                threads.append(threading.Thread(target=one, args=(2 * wave + j,)))
+                threads[-1].start()
+            try:
+                wait_until(holding, "one held", 5)
+                break
+            except AssertionError:
+                continue
+        held = seen[-1]
+        assert held > 0, f"the router put none of {len(threads)} requests on {victim}"
+    finally:
+        kill(victim, rows(app, role)[victim]["pid"])
+        for th in threads:
+            th.join(180)
     return held
 
 
