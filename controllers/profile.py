@@ -84,13 +84,20 @@ class StepCost(_Frozen):
         description="Attention cost per scheduled token per token of context it attends to (s/token^2).",
     )
 
-    def seconds(self, chunks: Iterable[tuple[int, int]]) -> float:
-        """One step's cost over its chunks ``(c, p)``: ``c`` tokens of a request from position
-        ``p``, each attending to ``p`` cached tokens plus its own causal prefix."""
+    @staticmethod
+    def terms(chunks: Iterable[tuple[int, int]]) -> tuple[float, float]:
+        """A step's ``(tokens, context)`` over its chunks ``(c, p)``: ``c`` tokens of a request
+        from position ``p``, each attending to ``p`` cached tokens plus its own causal
+        prefix (``sum c`` and ``sum c p + c (c + 1) / 2``): what the coefficients multiply."""
         tokens = attn = 0.0
         for c, p in chunks:
             tokens += c
             attn += c * p + c * (c + 1) / 2
+        return tokens, attn
+
+    def seconds(self, chunks: Iterable[tuple[int, int]]) -> float:
+        """One step's cost over its chunks ``(c, p)`` (see :meth:`terms`)."""
+        tokens, attn = self.terms(chunks)
         return self.fixed_s + self.per_token_s * tokens + self.attn_per_ctx_token_s * attn
 
     def scaled(self, factor: float) -> StepCost:
@@ -136,6 +143,10 @@ class EngineProfile(_Frozen):
 
     def prefill_seconds(self, prompt_tokens: int) -> float:
         return self.prefill.seconds_for(prompt_tokens)
+
+    def with_step_cost_scaled(self, factor: float) -> EngineProfile:
+        """This profile with every step ``factor`` times as long (:meth:`StepCost.scaled`)."""
+        return self.model_copy(update={"step_cost": self.step_cost.scaled(factor)})
 
     @classmethod
     def load(cls, path: str | Path) -> EngineProfile:

@@ -72,12 +72,7 @@ def fit_step_cost_steps(steps: Sequence[tuple[Sequence[tuple[int, int]], float]]
     Each step is ``(chunks, step_s)`` with chunks ``(c, p)``: the simulator's model
     ``fixed_s + per_token_s * sum c + attn_per_ctx_token_s * sum (c p + c (c + 1) / 2)``.
     """
-    rows = np.array(
-        [
-            [1.0, sum(c for c, _ in ch), sum(c * p + c * (c + 1) / 2 for c, p in ch)]
-            for ch, _ in steps
-        ]
-    )
+    rows = np.array([[1.0, *StepCost.terms(ch)] for ch, _ in steps])
     y = np.array([s for _, s in steps])
     keep = [0, 1, 2]
     coef = np.zeros(3)
@@ -214,13 +209,14 @@ def profile_engine(
             start = len(sched.records)
             outs = llm.generate(fulls, one, use_tqdm=False)
             recs = [r for r in list(sched.records)[start:] if r.scheduled_tokens]
-            cached = [int(o.num_cached_tokens or 0) for o in outs]
-            if len(recs) == 1 and recs[0].scheduled_tokens == sum(
-                len(f["prompt_token_ids"]) - c for f, c in zip(fulls, cached, strict=True)
-            ):
-                ch = [
-                    (len(f["prompt_token_ids"]) - c, c) for f, c in zip(fulls, cached, strict=True)
-                ]
+            ch = [
+                (
+                    len(f["prompt_token_ids"]) - int(o.num_cached_tokens or 0),
+                    int(o.num_cached_tokens or 0),
+                )
+                for f, o in zip(fulls, outs, strict=True)
+            ]
+            if len(recs) == 1 and recs[0].scheduled_tokens == sum(c for c, _ in ch):
                 hit_steps.append((ch, recs[0].step_s))
         say(f"four hits on cached {pre_len}-token prefixes in one step")
     batched += hit_steps
