@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from bench.prefill_report import policy_report, six_targets
+from bench.prefill_report import band_factors, policy_report, six_targets
 from bench.prefill_scenarios import Workload
 from bench.prefill_sim import EngineConfig, RunResult, simulate
 from controllers.profile import EngineProfile, StepCost
@@ -210,10 +210,9 @@ def prediction_band(
     high]`` of p50 and p99 TTFT over the points and ``central``; and ``six_targets``: per
     policy, ``[fewest, most]`` of the paper's targets met over them (``None`` without FCFS
     and LPM: the targets are relative to them)."""
-    factors = [1.0 - rel + 2.0 * rel * k / max(1, points - 1) for k in range(points)]
     runs = [central] + [
-        {pol: predict(_scaled(profile, f), pol) for pol in policies}
-        for f in factors
+        {pol: predict(profile.with_step_cost_scaled(f), pol) for pol in policies}
+        for f in band_factors(rel, points)
         if abs(f - 1.0) > 1e-9
     ]
     band: dict[str, dict[str, dict[str, list[float]]]] = {}
@@ -273,29 +272,33 @@ def rebuild_workload(res: dict[str, Any]) -> Workload:
     )
 
 
-def band_of_stored(res: dict[str, Any], rel: float = BAND_REL) -> dict[str, Any]:
-    """The simulator's band for a stored replay, from what it stored: the workload rebuilt
-    (:func:`rebuild_workload`), the prediction at its profile simulated again, and the
-    measured figures held against the band (no engine runs)."""
-    work = rebuild_workload(res)
+def band_of_stored(res: dict[str, Any], work: Workload, rel: float = BAND_REL) -> dict[str, Any]:
+    """The simulator's band for a stored replay, from what it stored: ``work`` as
+    :func:`rebuild_workload` rebuilt it, the prediction at its profile simulated again, and
+    the measured figures held against the band (no engine runs)."""
     prof = EngineProfile.model_validate(res["profile_used"])
-    cfg = EngineConfig(
-        token_budget=int(res["token_budget"]),
-        max_running=int(res.get("max_running", 64)),
-        block_size=work.block_size,
+    predict = _predictor(
+        work, int(res["kv_blocks"]), int(res["token_budget"]), int(res.get("max_running", 64))
     )
-    keys = list(work.keys)
-
-    def predict(p: EngineProfile, policy: str) -> dict[str, Any]:
-        run = simulate(work.requests, policy, p, int(res["kv_blocks"]), config=cfg, warm=work.warm)
-        return policy_report(run, keys)
-
     central = {pol: predict(prof, pol) for pol in res["policies"]}
     return _band_block(predict, prof, res["policies"], central, rel)
 
 
-def _scaled(profile: EngineProfile, factor: float) -> EngineProfile:
-    return profile.model_copy(update={"step_cost": profile.step_cost.scaled(factor)})
+def _predictor(
+    work: Workload, kv_blocks: int, token_budget: int, max_running: int
+) -> Callable[[EngineProfile, str], dict[str, Any]]:
+    """The simulator's report of ``work`` for a profile and a policy, on the engine shape a
+    replay ran (its KV cache, token budget and running cap)."""
+    cfg = EngineConfig(
+        token_budget=token_budget, max_running=max_running, block_size=work.block_size
+    )
+    keys = list(work.keys)
+
+    def predict(prof: EngineProfile, policy: str) -> dict[str, Any]:
+        run = simulate(work.requests, policy, prof, kv_blocks, config=cfg, warm=work.warm)
+        return policy_report(run, keys)
+
+    return predict
 
 
 def band_coverage(
@@ -364,14 +367,7 @@ def replay(
     measured: dict[str, dict[str, Any]] = {}
     predicted: dict[str, dict[str, Any]] = {}
     sched = live_scheduler(llm)
-    sim_config = EngineConfig(
-        token_budget=token_budget, max_running=max_running, block_size=work.block_size
-    )
-
-    def predict(prof: EngineProfile, policy: str) -> dict[str, Any]:
-        """The simulator's report for the same replay on ``prof``."""
-        run = simulate(work.requests, policy, prof, kv_blocks, config=sim_config, warm=work.warm)
-        return policy_report(run, keys)
+    predict = _predictor(work, kv_blocks, token_budget, max_running)
 
     for policy in policies:
         configure(policy)

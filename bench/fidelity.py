@@ -247,15 +247,14 @@ def spike_band(
     """The spike's six targets with every step ``1 - rel`` to ``1 + rel`` times as long:
     per point, each policy's count; ``fairway`` and ``best_baseline``: ``[fewest, most]``
     over the points (the baseline with the most targets at each point)."""
-    from bench.prefill_report import run_workload
+    from bench.prefill_report import band_factors, run_workload
     from bench.prefill_scenarios import sec_spike_paper_workload
 
     prof = prefill_profile()
     work = sec_spike_paper_workload(seed, quick, prof, params)
-    factors = [1.0 - rel + 2.0 * rel * k / max(1, points - 1) for k in range(points)]
     per_point: list[dict[str, Any]] = []
-    for f in factors:
-        scaled = prof.model_copy(update={"step_cost": prof.step_cost.scaled(f)})
+    for f in band_factors(rel, points):
+        scaled = prof.with_step_cost_scaled(f)
         rep, _ = run_workload(work, list(policies), scaled, seed=seed, progress=False)
         met = {p: t["met"] for p, t in rep["six_targets"].items()}
         best = max((p for p in met if p != "fairway"), key=lambda p: met[p])

@@ -36,6 +36,12 @@ STARVED_FACTOR = 3.0
 TARGET_MARGIN = 1.1
 
 
+def band_factors(rel: float, points: int) -> list[float]:
+    """``points`` step-cost scales evenly spaced from ``1 - rel`` to ``1 + rel`` (1 among
+    them when ``points`` is odd): where a prediction's band is simulated."""
+    return [1.0 - rel + 2.0 * rel * k / max(1, points - 1) for k in range(points)]
+
+
 def policy_report(res: RunResult, keys: Sequence[str]) -> dict[str, Any]:
     """STATS per key, worst wait and the starvation flag of one run."""
     ttft: dict[str, Any] = {"all": summarize(res.ttfts())}

@@ -148,8 +148,8 @@ def replay_band(
 
     try:
         res = json.loads(json_in.read_text())
-        keys = list(rebuild_workload(res).keys)
-        res["sim_band"] = band_of_stored(res, band)
+        work = rebuild_workload(res)
+        res["sim_band"] = band_of_stored(res, work, band)
     except FileNotFoundError:
         raise typer.BadParameter(f"no file {json_in}", param_hint="--json") from None
     except (KeyError, ValueError, TypeError) as e:
@@ -157,6 +157,7 @@ def replay_band(
             f"not a `bench replay --json` result: {e!r}", param_hint="--json"
         ) from None
     typer.echo(f"{res['scenario']} seed {res['seed']}: {res['requests']} requests (band SIMULATED)")
+    keys = list(work.keys)
     headers, rows = replay_rows(res, keys)
     typer.echo(table(headers, rows))
     if out is not None:
