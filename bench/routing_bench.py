@@ -172,6 +172,15 @@ def _get(url: str, path: str) -> dict[str, Any]:
     return dict(r.json())
 
 
+def _reset(url: str) -> dict[str, Any]:
+    """The stats, then the ingress's overhead samples start afresh (an operator's POST)."""
+    import httpx
+
+    r = httpx.post(f"{url}/v1/pdserve/stats/reset", timeout=60)
+    r.raise_for_status()
+    return dict(r.json())
+
+
 def _wait_ready(url: str, replicas: int, timeout_s: float = 900) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -253,7 +262,7 @@ def run(
         if arrivals is None:
             vocab = _vocab(cfg.model.resolved_path())
             arrivals = rag_mix(mix, vocab)
-        before = _get(url, "/v1/pdserve/stats?reset=true")
+        before = _reset(url)
         tick = progress(policy, len(arrivals)) if progress else None
         t0 = time.monotonic()
         results = asyncio.run(replay(url, arrivals, mix.max_tokens, tick))
@@ -266,7 +275,7 @@ def run(
             # the ingress at a steady closed-loop load, on this policy's warm app
             rng = random.Random(mix.seed + 1)
             sample = [arrivals[rng.randrange(len(arrivals))] for _ in range(overhead_requests)]
-            mark = _get(url, "/v1/pdserve/stats?reset=true")["ingress"]["requests"]
+            mark = _reset(url)["ingress"]["requests"]
             asyncio.run(closed_loop(url, sample, overhead_streams, mix.max_tokens))
             s = _get(url, "/v1/pdserve/stats")
             summary["closed_loop"] = {

@@ -35,12 +35,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from controllers.tenants import Bucket, refund, take
+from controllers.tenants import Bucket, debit, refund, take
 
 log = logging.getLogger(__name__)
 
 KEY_PREFIX = "sha256:"
 TENANT_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$"
+#: What a key store holds for an operator key in place of a tenant (no tenant name can start
+#: with '@'): such a key reaches the operator routes and nothing else.
+OPERATOR = "@operator"
 
 
 def hash_key(key: str) -> str:
@@ -84,7 +87,7 @@ def read_keys_file(path: Path) -> dict[str, str]:
     for h, t in data.items():
         if not isinstance(h, str) or not is_key_hash(h):
             raise ValueError(f"{path}: {h!r} is not 'sha256:<64 lowercase hex digits>'")
-        if not isinstance(t, str) or not re.match(TENANT_PATTERN, t):
+        if t != OPERATOR and (not isinstance(t, str) or not re.match(TENANT_PATTERN, t)):
             raise ValueError(f"{path}: tenant {t!r} of {h[:15]}... is not a tenant name")
         out[h] = t
     return out
@@ -237,6 +240,8 @@ class LimiterStats:
     allowed: int = 0
     refused: int = 0
     refunds: int = 0
+    #: charges for work done whatever the bucket held (:meth:`RateLimiter.charge`)
+    debits: int = 0
     redis_fallbacks: int = 0
 
 
@@ -263,6 +268,16 @@ for i = 1, #KEYS do
   redis.call('SET', KEYS[i], string.format('%.6f', new[i]), 'PX', ttl)
 end
 return {1, 0, '0'}
+"""
+
+# KEYS[1]: the bucket; ARGV: rate, units to take however full it is (at most its capacity).
+_DEBIT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local tat = tonumber(redis.call('GET', KEYS[1]) or '0')
+local nt = math.max(tat, now) + tonumber(ARGV[2]) / tonumber(ARGV[1])
+redis.call('SET', KEYS[1], string.format('%.6f', nt), 'PX', math.ceil((nt - now) * 1000) + 1000)
+return 1
 """
 
 # KEYS[1]: the bucket; ARGV: rate, units to give back.
@@ -298,6 +313,7 @@ class RateLimiter:
         self._tat: dict[tuple[str, str], float] = {}
         self._take = redis.register_script(_TAKE) if redis is not None else None
         self._refund = redis.register_script(_REFUND) if redis is not None else None
+        self._debit = redis.register_script(_DEBIT) if redis is not None else None
 
     @property
     def backend(self) -> str:
@@ -344,6 +360,24 @@ class RateLimiter:
         if len(self._tat) > 100_000:  # drop buckets that are full again
             self._tat = {k: t for k, t in self._tat.items() if t > now}
         return Verdict(True, backend="memory")
+
+    async def charge(self, tenant: str, name: str, bucket: Bucket, units: float) -> None:
+        """Take ``units`` from a bucket however full it is (:func:`controllers.tenants.debit`:
+        work already done, at most one capacity at once). Never raises."""
+        if units <= 0:
+            return
+        self.stats.debits += 1
+        units = min(units, bucket.capacity)
+        if self._debit is not None:
+            try:
+                await self._debit(
+                    keys=[self.prefix + f"{tenant}:{name}"], args=[bucket.rate, units]
+                )
+                return
+            except Exception:
+                self.stats.redis_fallbacks += 1
+        k = (tenant, name)
+        self._tat[k] = debit(bucket, self._tat.get(k, 0.0), self.clock(), units)
 
     async def give_back(self, tenant: str, name: str, bucket: Bucket, units: float) -> None:
         """Return ``units`` to a bucket (tokens reserved but not produced). Never raises."""

@@ -8,7 +8,7 @@ the limit cheap to share across ingress replicas: the Redis script in :mod:`clus
 runs this same arithmetic on one key per bucket, atomically, on the server's clock.
 
 ``refund`` gives units back (a request that asked for ``max_tokens`` and produced fewer), never
-beyond a full bucket.
+beyond a full bucket; ``debit`` takes units for work already done, allowed or not.
 """
 
 from __future__ import annotations
@@ -54,6 +54,14 @@ def take(bucket: Bucket, tat: float, now: float, cost: float) -> Take:
 def refund(bucket: Bucket, tat: float, now: float, units: float) -> float:
     """The ``tat`` after giving ``units`` back (a full bucket stays full)."""
     return max(now, tat - units / bucket.rate) if tat > now else tat
+
+
+def debit(bucket: Bucket, tat: float, now: float, units: float) -> float:
+    """The ``tat`` after taking ``units`` unconditionally: work already done (a prompt
+    tokenized and then refused) is charged even when the bucket is empty, so the tenant waits
+    for it. At most one bucket's ``capacity`` is taken at once: one refused request locks its
+    tenant out for at most ``capacity / rate`` seconds more."""
+    return max(tat, now) + min(units, bucket.capacity) / bucket.rate
 
 
 def available(bucket: Bucket, tat: float, now: float) -> float:

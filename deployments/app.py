@@ -78,12 +78,21 @@ class Ingress:
         return await self.core.health()
 
     @api.get("/v1/pdserve/stats")
-    async def stats(self, reset: bool = False) -> Any:
-        return await self.core.stats(reset=reset)
+    async def stats(self) -> Any:
+        """Operator route (operator key): every replica, router, the index and the ingress."""
+        return await self.core.stats()
+
+    @api.post("/v1/pdserve/stats/reset")
+    async def stats_reset(self) -> Any:
+        """Operator route: the stats, then this ingress's overhead samples start afresh."""
+        return await self.core.stats(reset=True)
 
     @api.post("/v1/pdserve/route")
-    async def route(self, request: Request, body: CompletionRequest) -> Any:
-        return await self.core.explain(request, body)
+    async def route(
+        self, request: Request, body: CompletionRequest, tenant: str = "anonymous"
+    ) -> Any:
+        """Operator route: where ``tenant``'s request would be routed, without running it."""
+        return await self.core.explain(request, body, tenant)
 
 
 Engine: Any = serve.deployment(EngineReplica, name="engine")
@@ -145,6 +154,7 @@ def actor_options(num_cpus: float, num_gpus: float, resources: dict[str, float])
 def build_app(args: dict[str, Any] | None = None) -> Application:
     """The PD application for ``args`` (a Serve YAML's ``args``; see ``AppConfig``)."""
     cfg = load_app_config(args or {})
+    cfg.check_auth()  # closed by default: keys, or `ingress.auth: none` said explicitly
     ensure_model(cfg)
     d = cfg.model_dump(mode="json")
     live = live_defaults(cfg)

@@ -19,13 +19,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
 
 from cluster.tenants import TENANT_PATTERN, is_key_hash
 from controllers.autoscale import AutoscaleConfig, RoleBounds
 from controllers.config import FairwayConfig
 from controllers.decode.config import TWPConfig
 from controllers.routing import RoutingConfig, RoutingName
+from deployments.protocol import ENGINE_EXTRA_ARGS
 from engines.config import EngineSchedulerConfig
 from engines.launch import EngineLaunch, HashAlgo, KVEventsLaunch, KVTransfer, SchedulerName
 
@@ -411,6 +419,109 @@ class IngressConfig(_Strict):
         description="Prompts longer than this (characters) are tokenized and hashed in a "
         "worker thread, so the event loop keeps streaming other requests.",
     )
+    auth: Literal["keys", "none"] = Field(
+        default="keys",
+        description="'keys': every route but /health needs a key (a tenant key for the "
+        "OpenAI routes, an operator key for /v1/pdserve/*), checked from the headers before "
+        "the body is read; at least one key source must be configured (tenants.key_hashes, "
+        "tenants.keys_file, tenants.keys_in_redis or ingress.api_keys), else the deploy "
+        "fails naming this field. 'none': no keys at all, every request is tenant "
+        "'anonymous' and the operator routes are open: only for an endpoint that nobody "
+        "else can reach (Serve's proxy on loopback), and an explicit choice.",
+    )
+    max_auth_failures: int = Field(
+        default=20,
+        ge=1,
+        le=1_000_000,
+        description="Failed keys (401s) one client address may send at once; past it the "
+        "address gets 429 with Retry-After before its key is even looked up.",
+    )
+    auth_failures_per_minute: float = Field(
+        default=30.0,
+        gt=0,
+        le=1_000_000,
+        description="Failed keys per minute one client address may send, sustained (the "
+        "refill rate of the bucket above).",
+    )
+    trust_request_chat_template: bool = Field(
+        default=False,
+        description="Accept a request's own chat template (the 'chat_template' field), as "
+        "vLLM's --trust-request-chat-template does. Off: refused with a 400 naming it. On: it "
+        "renders in a separate process with ingress.render_timeout_s and a memory bound, "
+        "which is killed when it passes either.",
+    )
+    render_timeout_s: float = Field(
+        default=2.0,
+        gt=0,
+        le=600,
+        description="Time budget to render a chat template and tokenize a prompt (off the "
+        "event loop); past it the request gets a 413 naming the field that made it slow.",
+    )
+    max_prompt_chars_per_token: int = Field(
+        default=32,
+        ge=1,
+        le=1_000_000,
+        description="A text prompt (or rendered conversation) longer than this many "
+        "characters per token of the context allowed (the tenant's max_context_tokens, else "
+        "model.max_model_len) is refused with a 400 before it is tokenized: no tokenizer "
+        "writes tokens this long, so it could only be refused after the work.",
+    )
+    allowed_vllm_xargs: list[str] = Field(
+        default_factory=list,
+        description="Keys of a request's vllm_xargs (vLLM's extension dict, which reaches "
+        "the engines' SamplingParams.extra_args) that may pass, for the operator's own "
+        "logits processors or plug-ins; any other key is a 400 naming it. vLLM's own fields "
+        "(kv_transfer_params, ec_transfer_params) can never be allowed.",
+    )
+    max_request_sequences: int = Field(
+        default=256,
+        ge=1,
+        le=1_000_000,
+        description="Most sequences one request may run: prompts x n (each cap alone, "
+        "max_batch_prompts and max_n, would allow their product).",
+    )
+    max_request_output_tokens: int = Field(
+        default=262_144,
+        ge=1,
+        le=10**9,
+        description="Most output tokens one request may ask for: prompts x n x max_tokens.",
+    )
+    max_stop_sequences: int = Field(
+        default=16,
+        ge=0,
+        le=10_000,
+        description="Most stop strings (and, apart, stop token ids and bad words) a request "
+        "may send: the detokenizer checks every stop string at every step of the shared "
+        "decode engine.",
+    )
+    max_logit_bias: int = Field(
+        default=300,
+        ge=0,
+        le=1_000_000,
+        description="Most logit_bias entries a request may send (OpenAI's limit is 300).",
+    )
+    max_request_id_chars: int = Field(
+        default=128,
+        ge=8,
+        le=1024,
+        description="Longest client request_id; it may hold letters, digits and '._:-' only "
+        "(it reaches logs, engine request ids and spans). Past either: a 400.",
+    )
+    health_cache_s: float = Field(
+        default=1.0,
+        ge=0,
+        le=60,
+        description="How long one /health answer is reused: probes from many load balancers "
+        "cost at most one readiness check per this many seconds.",
+    )
+
+    @field_validator("allowed_vllm_xargs")
+    @classmethod
+    def _xargs(cls, v: list[str]) -> list[str]:
+        bad = sorted(set(v) & ENGINE_EXTRA_ARGS)
+        if bad:
+            raise ValueError(f"{bad[0]!r} is vLLM's own field (set by pdserve), never a request's")
+        return v
 
     @field_validator("api_keys")
     @classmethod
@@ -437,11 +548,23 @@ TenantName = Annotated[
 ]
 
 
+#: The limits a tenant has when the config says nothing (``tenants.default``): no tenant is
+#: unlimited unless a config says so (``null``) explicitly.
+DEFAULT_REQUESTS_PER_SECOND = 20.0
+DEFAULT_TOKENS_PER_MINUTE = 1_000_000
+
+
 class TenantLimits(_Strict):
-    """One tenant's limits (every field optional: null means no limit of that kind)."""
+    """One tenant's limits. The rate limits have defaults (a tenant with no limits is an
+    explicit ``null``); null means no limit of that kind. In ``tenants.by_name`` a field
+    given (null included) replaces the default's, a field left out keeps it."""
 
     requests_per_second: float | None = Field(
-        default=None, gt=0, le=1_000_000, description="Sustained requests per second."
+        default=DEFAULT_REQUESTS_PER_SECOND,
+        gt=0,
+        le=1_000_000,
+        description="Sustained requests per second (every route that does work; charged "
+        "before the body is read). null: no limit.",
     )
     burst_requests: int | None = Field(
         default=None,
@@ -451,12 +574,14 @@ class TenantLimits(_Strict):
         "rounded up, at least 1).",
     )
     tokens_per_minute: int | None = Field(
-        default=None,
+        default=DEFAULT_TOKENS_PER_MINUTE,
         ge=1,
         le=10**12,
         description="Prompt plus requested output tokens (max_tokens x n) per minute; the part "
         "of max_tokens not produced is given back when the request ends. A request needing more "
-        "than this at once is a 400 naming max_tokens.",
+        "than this at once is a 400 naming max_tokens. Tokenizing is charged too: /tokenize, "
+        "/detokenize, and a prompt refused after it was tokenized (over a cap). null: no "
+        "limit.",
     )
     max_context_tokens: int | None = Field(
         default=None, ge=1, le=10_000_000, description="Longest prompt, in tokens."
@@ -496,6 +621,12 @@ class TenantsConfig(_Strict):
         default_factory=dict,
         description="'sha256:<hex digest of the key>' -> tenant (pdserve keys hash KEY).",
     )
+    operator_key_hashes: list[str] = Field(
+        default_factory=list,
+        description="'sha256:<hex digest>' of operator keys (pdserve keys new --operator): "
+        "only they reach /v1/pdserve/* (stats, route explanations, resets), and they reach "
+        "nothing else. A keys file or Redis holds operator keys as '<hash>: \"@operator\"'.",
+    )
     keys_file: str | None = Field(
         default=None,
         description="YAML/JSON file of 'sha256:<hex>: tenant' (a mounted Secret, say); re-read "
@@ -527,20 +658,32 @@ class TenantsConfig(_Strict):
         "index.backend is redis.",
     )
 
-    @field_validator("key_hashes")
+    @field_validator("key_hashes", "operator_key_hashes")
     @classmethod
-    def _hashes(cls, v: dict[str, str]) -> dict[str, str]:
+    def _hashes(cls, v: Any) -> Any:
         bad = [h for h in v if not is_key_hash(h)]
         if bad:
             raise ValueError(f"{bad[0][:20]!r} is not 'sha256:<64 lowercase hex digits>'")
         return v
 
+    @field_serializer("by_name")
+    def _by_name(self, v: dict[str, TenantLimits]) -> dict[str, dict[str, Any]]:
+        """Only the fields each entry gives, so a dumped config read again (the replicas get
+        it so) still lets the default fill the rest."""
+        return {k: lim.model_dump(mode="json", exclude_unset=True) for k, lim in v.items()}
+
     def limits(self, tenant: str) -> TenantLimits:
-        """``tenant``'s limits: ``by_name`` over ``default``."""
+        """``tenant``'s limits: the fields ``by_name`` gives (an explicit null included) over
+        ``default``."""
         own = self.by_name.get(tenant)
         if own is None:
             return self.default
-        return self.default.model_copy(update=own.model_dump(exclude_none=True))
+        return self.default.model_copy(update=own.model_dump(exclude_unset=True))
+
+    def has_keys(self) -> bool:
+        """Whether any key source is configured here (ingress.api_keys aside)."""
+        return bool(self.key_hashes or self.operator_key_hashes or self.keys_file)
+        # keys_in_redis counts too, but needs the index's URL: AppConfig checks it
 
 
 class IndexConfig(_Strict):
@@ -639,8 +782,16 @@ class TracingConfig(_Strict):
         default=1.0,
         ge=0.0,
         le=1.0,
-        description="Share of new traces sampled (a client's "
+        description="Share of new traces sampled (with client_context 'parent', a client's "
         "sampled traceparent is always followed).",
+    )
+    client_context: Literal["link", "parent"] = Field(
+        default="link",
+        description="A client's W3C traceparent: 'link' (the request's trace is the server's "
+        "own, sampled by sample_ratio, with a link to the client's span: a client cannot "
+        "force sampling or pick the trace id); 'parent' (the request's spans join the "
+        "client's trace and follow its sampled flag: for clients you trust, behind a gateway "
+        "that sets the header itself).",
     )
 
     @model_validator(mode="after")
@@ -700,6 +851,21 @@ class AppConfig(_Strict):
         default=DEFAULT_CACHE_DIR,
         description="Folder for vLLM's and torch inductor's caches ('~' expands).",
     )
+
+    def check_auth(self) -> None:
+        """Closed by default: with ``ingress.auth: keys`` some key source must exist, else a
+        ``ValueError`` naming the field (called when the app is built and by ``pdserve up``,
+        so a config without keys still validates for tools that only read it)."""
+        if self.ingress.auth != "keys":
+            return
+        if self.tenants.has_keys() or self.tenants.keys_in_redis or self.ingress.api_keys:
+            return
+        raise ValueError(
+            "ingress.auth: 'keys' (the default) but no key source is configured: set "
+            "tenants.keys_file (pdserve keys new TENANT --file F), tenants.key_hashes, "
+            "tenants.keys_in_redis or ingress.api_keys; or ingress.auth: none for an endpoint "
+            "only you can reach (Serve's proxy on loopback)"
+        )
 
     @model_validator(mode="after")
     def _consistent(self) -> AppConfig:

@@ -70,7 +70,13 @@ from typing import Any
 
 from opentelemetry import trace
 
-from deployments.config import AppConfig, ReplicaPorts, Role, engine_launch, replica_ports
+from deployments.config import (
+    AppConfig,
+    ReplicaPorts,
+    Role,
+    engine_launch,
+    replica_ports,
+)
 from deployments.protocol import (
     PREFILL_KV_PARAMS,
     EngineChunk,
@@ -78,6 +84,7 @@ from deployments.protocol import (
     EngineRequest,
     Sampling,
     TokenLogprob,
+    engine_extra_args,
 )
 from deployments.telemetry import (
     CounterPublisher,
@@ -945,14 +952,14 @@ class EngineReplica:
 
         t0 = time.monotonic()
         kwargs = dict(kwargs)
-        extra = dict(kwargs.pop("extra_args", None) or {})
-        if kv_params:
-            extra["kv_transfer_params"] = dict(kv_params)
+        # vLLM's own fields in extra_args are this replica's to set, on every path (sequences
+        # 1..n-1, a decode that computes the prompt, colocated, retries)
+        extra = engine_extra_args(kwargs.pop("extra_args", None), kv_params)
         try:
             sp = SamplingParams(
                 **kwargs,
                 output_kind=RequestOutputKind.DELTA if delta else RequestOutputKind.FINAL_ONLY,
-                extra_args=extra or None,
+                extra_args=extra,
             )
         except Exception as e:  # vLLM's refusal of the parameters, or anything else as it is
             raise _refusal(e) from None

@@ -1,9 +1,10 @@
 """The ingress's first line: a request body is JSON, of bounded size and depth, before any
 parsing or validation runs.
 
-:class:`BodyGuard` is a pure ASGI middleware on the FastAPI app. For every ``POST``:
+:class:`BodyGuard` is a pure ASGI middleware on the FastAPI app. For every ``POST`` with a body:
 
-- a ``Content-Type`` other than JSON is a **415**;
+- a ``Content-Type`` other than JSON is a **415** (a ``POST`` with no body and no
+  ``Content-Type`` passes: the route says whether it needs one);
 - a body above ``max_body_bytes`` is a **413**, decided from ``Content-Length`` at once or
   while the body streams in (nothing more is read);
 - a body that is not UTF-8, not JSON, or nested deeper than ``max_json_depth`` is a **400**
@@ -74,6 +75,10 @@ class BodyGuard:
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         ctype = headers.get("content-type", "").split(";")[0].strip().lower()
+        bodyless = headers.get("content-length", "0") == "0" and "transfer-encoding" not in headers
+        if not ctype and bodyless:  # a POST with no body (an operator's reset): nothing to check
+            await self.app(scope, receive, send)
+            return
         if ctype != "application/json" and not ctype.endswith("+json"):
             await _refuse(
                 send, 415, f"Content-Type must be application/json, not {ctype or 'none'!r}"

@@ -34,9 +34,11 @@ import asyncio
 import json
 import logging
 import math
+import re
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -44,14 +46,25 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
-from opentelemetry.trace import SpanKind, Status, StatusCode
+from opentelemetry import context as otel_context
+from opentelemetry import trace as otel_trace
+from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from vllm.exceptions import VLLMClientError
 
-from cluster.tenants import Charge, KeyStore, KeyStoreUnavailable, RateLimiter, hash_key
+from cluster.tenants import OPERATOR, TENANT_PATTERN, Charge, KeyStore, RateLimiter, hash_key
 from controllers.overload import CompletionRate, expected_wait_s, refuse_for
 from controllers.tenants import Bucket
+from deployments.auth import (
+    ANONYMOUS,
+    AuthFailures,
+    AuthGuard,
+    Gate,
+    Principal,
+    principal_of,
+)
+from deployments.auth import configure as configure_gate
 from deployments.config import (
     AppConfig,
     IngressLiveConfig,
@@ -61,6 +74,7 @@ from deployments.config import (
 from deployments.http_guard import BodyGuard, configure
 from deployments.openai_api import (
     FINISH_REASONS,
+    Bounds,
     ChatCompletionRequest,
     ChoiceOut,
     CompletionRequest,
@@ -71,6 +85,7 @@ from deployments.openai_api import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
     chat_logprobs,
+    check_bounds,
     completion_body,
     completion_logprobs,
     include_usage,
@@ -108,13 +123,13 @@ from deployments.telemetry import (
     set_attrs,
     tracer,
 )
+from deployments.template_sandbox import SandboxBusy, SandboxTimeout, TemplateSandbox
 
 log = logging.getLogger(__name__)
 
 api = FastAPI(title="pdserve", description="OpenAI-compatible prefill/decode serving")
 api.add_middleware(BodyGuard)
-
-ANONYMOUS = "anonymous"
+api.add_middleware(AuthGuard)  # added last: runs first, before the body is read
 #: the request header by which a client asks for a shorter deadline (seconds)
 TIMEOUT_HEADER = "X-Request-Timeout"
 
@@ -201,6 +216,49 @@ def _text_of(content: Any, where: str) -> str:
     return "\n".join(parts)
 
 
+#: ``chat_template_kwargs`` a request may not send: vLLM refuses ``chat_template`` and
+#: ``tokenize`` (the template itself, and whether the call returns text); the others are set
+#: by the request's own fields or change what HF's ``apply_chat_template`` returns
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "chat_template",
+        "tokenize",
+        "messages",
+        "conversation",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "continue_final_message",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+    }
+)
+
+
+def template_variables(template: str | None) -> frozenset[str]:
+    """The variables a chat template reads that it does not set itself (vLLM's
+    ``_resolve_chat_template_kwargs``: Jinja's own parser, the template is not run)."""
+    if not template:
+        return frozenset()
+    import jinja2.ext
+    import jinja2.meta
+    import jinja2.sandbox
+    from jinja2.exceptions import TemplateSyntaxError
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    try:
+        return frozenset(jinja2.meta.find_undeclared_variables(env.parse(template)))
+    except TemplateSyntaxError:
+        return frozenset()
+
+
 class Tokenizer:
     """The model's tokenizer and chat template, loaded once per ingress replica (the ingress
     tokenizes once; the engines get token ids)."""
@@ -210,6 +268,9 @@ class Tokenizer:
 
         self.tok = AutoTokenizer.from_pretrained(path)
         self.vocab = len(self.tok)
+        template = self.tok.chat_template if isinstance(self.tok.chat_template, str) else None
+        #: what the model's template reads: the only chat_template_kwargs that reach it
+        self.template_vars = template_variables(template)
 
     def check_ids(self, ids: list[int], where: str) -> list[int]:
         bad = next((t for t in ids if not 0 <= t < self.vocab), None)
@@ -238,41 +299,71 @@ class Tokenizer:
             return self.check_ids(p, "prompt"), None
         return self.encode(p, add_special_tokens), p
 
-    def render(self, req: Any) -> str:
-        """The conversation through the model's chat template, as vLLM renders it: tools and
-        documents go to the template, ``chat_template_kwargs`` too; content parts are text."""
+    def template_job(self, req: Any, template_vars: frozenset[str]) -> dict[str, Any]:
+        """What rendering ``req`` takes: its messages (content parts as text) and the
+        template's keyword arguments, as vLLM passes them: tools and documents, and those
+        ``chat_template_kwargs`` the template reads (``template_vars``; others are dropped,
+        as vLLM drops them). A reserved kwarg (:data:`RESERVED_TEMPLATE_KWARGS`) is a 400
+        naming it."""
         msgs = []
         for i, m in enumerate(req.messages):
             d = dict(m)
             d["content"] = _text_of(d.get("content"), f"messages.{i}.content")
             msgs.append(d)
-        kwargs: dict[str, Any] = dict(getattr(req, "chat_template_kwargs", None) or {})
+        asked: dict[str, Any] = dict(getattr(req, "chat_template_kwargs", None) or {})
+        reserved = sorted(set(asked) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            name = f"chat_template_kwargs.{reserved[0]}"
+            raise RequestError(
+                f"{name}: may not be set by a request (vLLM refuses it too); "
+                + (
+                    "a request's own template goes in the 'chat_template' field, and only "
+                    "when the operator trusts them (ingress.trust_request_chat_template)"
+                    if reserved[0] == "chat_template"
+                    else "it is set by the request's own fields or by pdserve"
+                ),
+                name,
+            )
+        kwargs = {k: v for k, v in asked.items() if k in template_vars}
         effort = getattr(req, "reasoning_effort", None)
         if effort is not None:
             kwargs.setdefault("reasoning_effort", effort)
         tools = getattr(req, "tools", None)
-        if tools:
-            kwargs["tools"] = [t.model_dump(mode="json", exclude_none=True) for t in tools]
         documents = getattr(req, "documents", None)
-        if documents:
-            kwargs["documents"] = documents
+        return {
+            "messages": msgs,
+            "tools": [t.model_dump(mode="json", exclude_none=True) for t in tools]
+            if tools
+            else None,
+            "documents": documents or None,
+            "add_generation_prompt": req.add_generation_prompt,
+            "continue_final_message": req.continue_final_message,
+            "kwargs": kwargs,
+        }
+
+    def render(self, job: dict[str, Any]) -> str:
+        """``job`` (:meth:`template_job`) through the model's own chat template."""
+        kwargs = dict(job["kwargs"])
+        for name in ("tools", "documents"):
+            if job.get(name):
+                kwargs[name] = job[name]
         try:
             return str(
                 self.tok.apply_chat_template(
-                    msgs,
+                    job["messages"],
                     tokenize=False,
-                    add_generation_prompt=req.add_generation_prompt,
-                    continue_final_message=req.continue_final_message,
+                    add_generation_prompt=job["add_generation_prompt"],
+                    continue_final_message=job["continue_final_message"],
                     **kwargs,
                 )
             )
         except Exception as e:  # the template refuses the conversation (roles, kwargs, ...)
             raise RequestError(f"messages: the chat template refused them: {e}", "messages") from e
 
-    def chat_prompt(self, req: Any) -> tuple[list[int], str]:
-        """``(token ids, rendered text)`` of a chat request."""
-        text = self.render(req)
-        return self.encode(text, req.add_special_tokens), text
+    def special_tokens(self) -> dict[str, Any]:
+        """The template variables ``apply_chat_template`` adds (``bos_token``, ...), for a
+        template rendered elsewhere (:mod:`deployments.template_sandbox`)."""
+        return {k: v for k, v in self.tok.special_tokens_map.items() if isinstance(v, str)}
 
 
 def model_defaults(path: str) -> dict[str, Any]:
@@ -341,6 +432,12 @@ class Prepared:
     #: prompt tokens the engine that computed the prompt found cached, when that was the
     #: decode (or colocated) engine rather than a prefill replica
     local_cached: int | None = None
+    #: output tokens that reached the response so far (the reservation's used part)
+    produced: int = 0
+    #: a streamed response holds this request: its close settles it, not the handler's end
+    stream_owned: bool = False
+    #: the prefill's result while no decode call has taken its KV (released if none will)
+    kv_pending: EngineChunk | None = None
 
 
 #: Statistics of the directory reports shown per replica in ``/v1/pdserve/stats``.
@@ -412,7 +509,34 @@ class IngressCore:
         self._feed_events = CounterPublisher("pdserve_index_feed_events")
         self.index = IndexView(self.cfg, app_name)
         self.keys, self.limiter = _tenancy(self.cfg, app_name)
-        configure(self.cfg.ingress.max_body_bytes, self.cfg.ingress.max_json_depth)
+        ing = self.cfg.ingress
+        self.gate = Gate(
+            ing.auth,
+            self.keys,
+            self.limiter,
+            self._bucket_specs,
+            AuthFailures(ing.max_auth_failures, ing.auth_failures_per_minute),
+            self._refused_by,
+        )
+        configure_gate(self.gate)
+        configure(ing.max_body_bytes, ing.max_json_depth)
+        self.bounds = Bounds(
+            allowed_vllm_xargs=frozenset(ing.allowed_vllm_xargs),
+            max_stop_sequences=ing.max_stop_sequences,
+            max_logit_bias=ing.max_logit_bias,
+            max_request_id_chars=ing.max_request_id_chars,
+        )
+        #: rendering and tokenizing of long prompts: two threads of their own, so a burst of
+        #: long prompts queues here and never takes the default executor's threads
+        self._prep_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="pdserve-prep")
+        #: request-supplied chat templates (ingress.trust_request_chat_template only)
+        self.sandbox = TemplateSandbox() if ing.trust_request_chat_template else None
+        #: prompts refused because rendering or tokenizing passed ingress.render_timeout_s
+        self.render_timeouts = 0
+        #: /health: the last answer and when it was made (reused for ingress.health_cache_s),
+        #: and the check in flight (concurrent probes wait for the same one)
+        self._health: tuple[float, JSONResponse] | None = None
+        self._health_task: asyncio.Task[JSONResponse] | None = None
         self._background: set[asyncio.Task[None]] = set()
         self.directories = {
             "prefill": directory(app_name, "prefill"),
@@ -517,7 +641,12 @@ class IngressCore:
     # -- background: follow the prefill replicas ---------------------------------------------
     def _ensure_started(self) -> None:
         if self._sync_task is None or self._sync_task.done():
-            self._sync_task = asyncio.get_running_loop().create_task(self._sync_loop())
+            loop = asyncio.get_running_loop()
+            self._sync_task = loop.create_task(self._sync_loop())
+            if self.sandbox is not None:  # its child starts now, not on a request
+                task = loop.create_task(self.sandbox.start())
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
 
     async def _sync_loop(self, period_s: float = 0.2) -> None:
         while True:
@@ -540,66 +669,76 @@ class IngressCore:
             self._synced_version = version
 
     # -- auth and limits -----------------------------------------------------------------
-    async def tenant(self, request: Request) -> str:
-        """The caller's tenant from ``Authorization: Bearer KEY``; 401 for a missing or
-        unknown key, 503 when only Redis knows keys and it did not answer."""
-        if not self.keys.enabled:
-            return ANONYMOUS
-        auth = request.headers.get("authorization", "")
-        key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
-        try:
-            tenant = await self.keys.tenant(key)
-        except KeyStoreUnavailable as e:
-            raise RequestError(str(e), None, status=503, headers={"Retry-After": "1"}) from None
-        if tenant is None:
-            raise RequestError(
-                "invalid or missing API key (send 'Authorization: Bearer KEY')",
-                None,
-                status=401,
-                headers={"WWW-Authenticate": "Bearer"},
-            )
-        return tenant
+    async def principal(self, request: Request) -> Principal:
+        """Who sent ``request``: what :class:`~deployments.auth.AuthGuard` decided from its
+        headers before the body was read, or (a caller that came around the guard) the same
+        decision taken now. Raises :class:`RequestError` (401, 403, 429, 503)."""
+        who = principal_of(request.scope)
+        if who is None:
+            client = request.client.host if request.client else None
+            headers = {k.lower(): v for k, v in request.headers.items()}
+            who = await self.gate.check(request.method, request.url.path, headers, client)
+        if who is None:  # an open route: nobody in particular
+            return Principal(ANONYMOUS)
+        return who
+
+    def _bucket_specs(self, tenant: str) -> dict[str, tuple[float, float]]:
+        return self.cfg.tenants.limits(tenant).buckets()
+
+    def _refused_by(self, tenant: str, reason: str) -> None:
+        self.metrics.inc("pdserve_auth_refused", tenant=tenant, reason=reason)
+        if reason == "rate_limited":
+            self.metrics.inc("pdserve_rate_limited", tenant=tenant, limit="requests")
 
     async def admit(self, prep: Prepared) -> None:
-        """Take the request from its tenant's buckets (requests, and prompt plus requested
-        output tokens), or raise 429 with ``Retry-After`` (400 when it could never fit)."""
-        limits = self.cfg.tenants.limits(prep.tenant)
-        buckets = limits.buckets()
-        if not buckets:
+        """Take the request's prompt plus requested output tokens (``max_tokens x n``) from
+        its tenant's tokens bucket, or raise 429 with ``Retry-After`` (400 when it could never
+        fit). The requests bucket was charged before the body was read
+        (:class:`~deployments.auth.Gate`)."""
+        spec = self._bucket_specs(prep.tenant).get("tokens")
+        if spec is None:
             return
         out = prep.sampling.max_tokens * prep.sampling.n
-        costs = {"requests": 1.0, "tokens": float(len(prep.ids) + out)}
-        charges = [Charge(k, Bucket(*b), costs[k]) for k, b in buckets.items()]
-        for c in charges:
-            if c.cost > c.bucket.capacity:
-                raise RequestError(
-                    f"this request needs {int(c.cost)} tokens (prompt {len(prep.ids)} + "
-                    f"max_tokens {prep.sampling.max_tokens} x n {prep.sampling.n}), above this "
-                    f"tenant's tokens_per_minute of {int(c.bucket.capacity)}: ask for fewer",
-                    "max_tokens",
-                )
-        v = await self.limiter.admit(prep.tenant, charges)
+        bucket = Bucket(*spec)
+        cost = float(len(prep.ids) + out)
+        if cost > bucket.capacity:
+            e = RequestError(
+                f"this request needs {int(cost)} tokens (prompt {len(prep.ids)} + "
+                f"max_tokens {prep.sampling.max_tokens} x n {prep.sampling.n}), above this "
+                f"tenant's tokens_per_minute of {int(bucket.capacity)}: ask for fewer",
+                "max_tokens",
+            )
+            e.tokenized = len(prep.ids)
+            raise e
+        v = await self.limiter.admit(prep.tenant, [Charge("tokens", bucket, cost)])
         if not v.allowed:
             wait = max(1, math.ceil(v.retry_after_s))
-            self.metrics.inc("pdserve_rate_limited", tenant=prep.tenant, limit=v.refused_by or "")
-            raise RequestError(
-                f"tenant {prep.tenant!r} is over its "
-                f"{'requests per second' if v.refused_by == 'requests' else 'tokens per minute'} "
-                f"limit; retry after {wait} s",
+            self.metrics.inc("pdserve_rate_limited", tenant=prep.tenant, limit="tokens")
+            e = RequestError(
+                f"tenant {prep.tenant!r} is over its tokens per minute limit; retry after {wait} s",
                 None,
                 status=429,
                 headers={"Retry-After": str(wait)},
                 code="rate_limit_exceeded",
             )
-        if "tokens" in buckets:
-            prep.reserved = (Bucket(*buckets["tokens"]), out)
+            e.tokenized = len(prep.ids)
+            raise e
+        prep.reserved = (bucket, out)
 
-    def _give_back(self, prep: Prepared, produced: int) -> None:
+    async def charge_tokens(self, tenant: str, tokens: int) -> None:
+        """Charge ``tokens`` of work already done (tokenized) to ``tenant``'s tokens bucket,
+        however full it is (:meth:`cluster.tenants.RateLimiter.charge`)."""
+        spec = self._bucket_specs(tenant).get("tokens")
+        if spec is not None and tokens > 0 and tenant != OPERATOR:
+            await self.limiter.charge(tenant, "tokens", Bucket(*spec), float(tokens))
+
+    def _give_back(self, prep: Prepared) -> None:
         """Return the reserved output tokens the request did not produce (once)."""
         if prep.reserved is None:
             return
         bucket, out = prep.reserved
         prep.reserved = None
+        produced = prep.produced
         if out > produced:
             task = asyncio.get_running_loop().create_task(
                 self.limiter.give_back(prep.tenant, "tokens", bucket, out - produced)
@@ -697,8 +836,22 @@ class IngressCore:
         """Readiness: 200 once both roles have a replica that served a probe and (with
         ``ingress.warm_up``) one request has gone from every prefill replica to every decode
         replica, so the NIXL handshakes and the engines' first-use costs are paid before the
-        first client's request; 503 ``starting`` or ``warming`` before."""
+        first client's request; 503 ``starting`` or ``warming`` before.
+
+        Open to anyone, so cheap: one answer serves every probe for ``ingress.health_cache_s``
+        and concurrent probes share one check, so probes cost the engines at most one
+        readiness call per role per that many seconds."""
         self._ensure_started()
+        cached = self._health
+        if cached is not None and time.monotonic() - cached[0] < self.cfg.ingress.health_cache_s:
+            return cached[1]
+        if self._health_task is None or self._health_task.done():
+            self._health_task = asyncio.get_running_loop().create_task(self._check_health())
+        resp = await asyncio.shield(self._health_task)
+        self._health = (time.monotonic(), resp)
+        return resp
+
+    async def _check_health(self) -> JSONResponse:
         t = self.cfg.ingress.health_timeout_s
         status: dict[str, Any] = {}
         roles = (
@@ -816,7 +969,7 @@ class IngressCore:
         can take one: calls wait at the handle. Returns this ingress replica's id."""
         if role not in ("prefill", "decode"):
             raise ValueError(f"role must be 'prefill' or 'decode', not {role!r}")
-        if not self.cfg.engine(role).fault_injection:
+        if not self.cfg.engine("prefill" if role == "prefill" else "decode").fault_injection:
             raise PermissionError(f"{role}.fault_injection is off")
         hold_routing(self.app_name, role, float(seconds))
         return self.replica_id
@@ -837,7 +990,8 @@ class IngressCore:
 
     async def stats(self, reset: bool = False) -> dict[str, Any]:
         """Replicas (from their last load reports), routers, index and ingress counters;
-        ``reset`` starts this ingress's overhead and phase samples afresh after reading."""
+        ``reset`` starts this ingress's overhead and phase samples afresh after reading (the
+        operator's ``POST /v1/pdserve/stats/reset``)."""
         from controllers.stats import summarize
 
         self._ensure_started()
@@ -893,6 +1047,12 @@ class IngressCore:
             },
             "rate_limits": {"backend": self.limiter.backend} | asdict(self.limiter.stats),
             "keys": asdict(self.keys.stats),
+            "auth": {
+                "mode": self.cfg.ingress.auth,
+                "refused": dict(self.gate.refused),
+            },
+            "render_timeouts": self.render_timeouts,
+            "template_sandbox": self.sandbox.stats() if self.sandbox is not None else None,
         }
         if reset:
             self.overhead_s.clear()
@@ -937,16 +1097,21 @@ class IngressCore:
         return app
 
     async def explain(
-        self, request: Request, body: CompletionRequest | ChatCompletionRequest
+        self, request: Request, body: CompletionRequest | ChatCompletionRequest, tenant: str
     ) -> Any:
-        """Where the request would be routed: the index's answer, without running it."""
+        """Where a request of ``tenant`` (whose cache namespace the prompt is hashed in) would
+        be routed: the index's answer, without running it. An operator route: nothing is
+        charged to the tenant."""
         self._ensure_started()
         try:
-            prep = await self.prepare(request, body, charge=False)  # nothing runs: no limit
+            if not _TENANT_NAME.match(tenant):
+                raise RequestError(f"tenant: {tenant[:64]!r} is not a tenant name", "tenant")
+            prep = await self.prepare(request, body, charge=False, tenant=tenant)
         except RequestError as e:
             return _error(e)
         hint = await self.route(prep)
         return {
+            "tenant": tenant,
             "prompt_tokens": len(prep.ids),
             "blocks": max((len(h) for h in prep.hashes.values()), default=0),
             "matches": hint.matches,
@@ -954,20 +1119,47 @@ class IngressCore:
             "prefill_replicas": sorted(self.directories["prefill"].snapshot()),
         }
 
+    def _root_span(self, request: Request) -> Any:
+        """The request's root span. A client's W3C ``traceparent`` is linked to it
+        (``observability.tracing.client_context: link``, the default), so a client can
+        neither force sampling nor choose the trace id; with ``parent`` the span joins the
+        client's trace (a gateway you trust sets the header)."""
+        client = extract(request.headers)
+        if self.cfg.observability.tracing.client_context == "parent":
+            return self.tracer.start_span("pdserve.request", context=client, kind=SpanKind.SERVER)
+        sc = otel_trace.get_current_span(client).get_span_context()
+        links = [Link(sc)] if sc.is_valid else None
+        return self.tracer.start_span(
+            "pdserve.request", context=otel_context.Context(), kind=SpanKind.SERVER, links=links
+        )
+
     async def complete(
         self, request: Request, body: CompletionRequest | ChatCompletionRequest
     ) -> Any:
         """``prepare -> route -> prefill -> decode -> respond``; errors are 4xx/5xx bodies.
 
         A stream's response starts once the decode's first chunk is in, so a refusal or a
-        failure before any token is an HTTP status, not an error event inside a 200."""
-        if isinstance(body, CompletionRequest) and is_batch(body.prompt):
-            return await self.complete_batch(request, body)
+        failure before any token is an HTTP status, not an error event inside a 200. However
+        the request ends (an answer, an error, a deadline, the client gone), its unused
+        token reservation goes back to its tenant and any prefill KV no decode took is
+        released (:meth:`_settle`); a stream settles when it closes (:class:`_SettlingStream`)."""
+        preps: list[Prepared] = []
+        try:
+            if isinstance(body, CompletionRequest) and is_batch(body.prompt):
+                return await self.complete_batch(request, body, preps)
+            return await self._complete(request, body, preps)
+        finally:
+            self._settle(preps)
+
+    async def _complete(
+        self,
+        request: Request,
+        body: CompletionRequest | ChatCompletionRequest,
+        preps: list[Prepared],
+    ) -> Any:
         self._ensure_started()
         endpoint = "chat" if isinstance(body, ChatCompletionRequest) else "completions"
-        root = self.tracer.start_span(
-            "pdserve.request", context=extract(request.headers), kind=SpanKind.SERVER
-        )
+        root = self._root_span(request)
         set_attrs(root, {"endpoint": endpoint, "model": self.model_name})
         span = child(self.tracer, "pdserve.prepare", root)
         try:
@@ -975,6 +1167,7 @@ class IngressCore:
         except RequestError as e:
             span.end()
             return self._refused(root, endpoint, e)
+        preps.append(prep)
         span.end()
         prep.span = prep.parent = root
         set_attrs(
@@ -1020,6 +1213,19 @@ class IngressCore:
             return self._failed(prep, e)
         return await self._respond([(prep, pre)])
 
+    def _settle(self, preps: list[Prepared]) -> None:
+        """What a request still holds when it ends, given back (each once; a stream's parts
+        are settled by the stream when it closes): the tokens reserved and not produced, its
+        place in the prefill queue, and the prefill KV that no decode call took."""
+        for prep in preps:
+            if prep.stream_owned:
+                continue
+            self._give_back(prep)
+            self._release_slot(prep)
+            pre, prep.kv_pending = prep.kv_pending, None
+            if pre is not None:
+                self._release_prefilled(prep.engine_rid, pre)
+
     def _decode_local(self, prep: Prepared) -> bool:
         """Conditional disaggregation: a prompt shorter than
         ``routing.local_prefill_threshold_tokens`` is prefilled on its decode replica (no
@@ -1052,40 +1258,63 @@ class IngressCore:
             try:
                 first = await anext(chunks, None)
             except RequestError as e:
-                return self._failed(prep0, e)
-            return StreamingResponse(
-                self.respond_sse(parts, _prepend(first, chunks)),
-                media_type="text/event-stream",
+                return self._failed(prep0, e, also=[p for p, _ in parts[1:]])
+            except BaseException:
+                await chunks.aclose()  # type: ignore[attr-defined]
+                raise
+            tally = _Tally(parts)
+            for prep, _ in parts:  # from here the stream settles them, when it closes
+                prep.stream_owned = True
+            body = _SettlingStream(
+                self.respond_sse(parts, _prepend(first, chunks), tally),
+                lambda: self._close_stream(parts, chunks),
             )
+            return _ClosingStreamingResponse(body, media_type="text/event-stream")
         return await self.respond_json(parts, chunks)
 
-    async def complete_batch(self, request: Request, body: CompletionRequest) -> Any:
+    async def _close_stream(
+        self, parts: list[tuple[Prepared, EngineChunk]], chunks: AsyncIterator[EngineChunk]
+    ) -> None:
+        """A stream's response ended (done, failed, or the client went, also before its
+        first byte): its engine streams end (each decode engine aborts what it still runs),
+        its trace ends, and its parts settle (:meth:`_settle`)."""
+        try:
+            await chunks.aclose()  # type: ignore[attr-defined]
+        finally:
+            prep0 = parts[0][0]
+            if prep0.span is not None:  # the client went away mid-stream
+                self._finish_span(prep0.span, 499, "client disconnected")
+                prep0.span = None
+            preps = [p for p, _ in parts]
+            for p in preps:
+                p.stream_owned = False
+            self._settle(preps)
+
+    async def complete_batch(
+        self, request: Request, body: CompletionRequest, preps: list[Prepared]
+    ) -> Any:
         """A completions request with several prompts (vLLM accepts them): each prompt is
         prepared, routed (to the prefill replica that holds *its* prefix), prefilled and
         decoded on its own, concurrently; prompt ``k``'s choices are ``k*n .. k*n+n-1``, as
-        vLLM numbers them; usage sums the prompts. One trace covers the batch."""
+        vLLM numbers them; usage sums the prompts. One trace covers the batch. ``preps``
+        collects the prompts prepared, which the caller settles (:meth:`complete`): when one
+        prompt fails, the others' reservations go back and their prefills' KV is released."""
         self._ensure_started()
-        root = self.tracer.start_span(
-            "pdserve.request", context=extract(request.headers), kind=SpanKind.SERVER
-        )
+        root = self._root_span(request)
         prompts = list(body.prompt or [])
         cap = self.cfg.ingress.max_batch_prompts
-        if len(prompts) > cap:
-            return self._refused(
-                root,
-                "completions",
-                RequestError(
-                    f"prompt: {len(prompts)} prompts; at most {cap} per request", "prompt"
-                ),
-            )
-        set_attrs(root, {"endpoint": "completions", "batch": len(prompts)})
-        preps: list[Prepared] = []
         try:
+            if len(prompts) > cap:
+                raise RequestError(
+                    f"prompt: {len(prompts)} prompts; at most {cap} per request", "prompt"
+                )
+            tenant = (await self.principal(request)).tenant
+            self._check_joint(body, len(prompts), tenant)
+            set_attrs(root, {"endpoint": "completions", "batch": len(prompts)})
             for p in prompts:
-                preps.append(await self.prepare(request, body.model_copy(update={"prompt": p})))
+                sub = body.model_copy(update={"prompt": p})
+                preps.append(await self.prepare(request, sub, tenant=tenant))
         except RequestError as e:
-            for prep in preps:  # admitted before the refusal: their reservations go back
-                self._give_back(prep, 0)
             return self._refused(root, "completions", e)
         self.requests += len(preps)
         for prep in preps:
@@ -1112,26 +1341,30 @@ class IngressCore:
             return_exceptions=True,
         )
         bad = next((g for g in got if isinstance(g, BaseException)), None)
-        if bad is not None:
+        if bad is not None:  # the siblings' KV is released as they settle (complete's finally)
             if isinstance(bad, RequestError):
-                return self._failed(preps[0], bad)
+                return self._failed(preps[0], bad, also=preps[1:])
             raise bad
         return await self._respond(list(zip(preps, got, strict=True)))  # type: ignore[arg-type]
 
     async def tokenize(
         self, request: Request, body: TokenizeCompletionRequest | TokenizeChatRequest
     ) -> Any:
-        """vLLM's ``/tokenize``: the prompt's (or the rendered conversation's) token ids."""
+        """vLLM's ``/tokenize``: the prompt's (or the rendered conversation's) token ids. The
+        tokens are charged to the tenant's tokens bucket (work done, however full it is)."""
         try:
-            await self.tenant(request)
+            who = await self.principal(request)
             self._check_model(body.model)
             if isinstance(body, TokenizeChatRequest):
-                for name in ("chat_template", "media_io_kwargs", "mm_processor_kwargs"):
+                for name in ("media_io_kwargs", "mm_processor_kwargs"):
                     if getattr(body, name) is not None:
                         raise RequestError(f"{name} is not supported", name)
-                ids = self.tokenizer.encode(self.tokenizer.render(body), body.add_special_tokens)
+                ids = await self._tokenize_chat(body, who.tenant, self._max_chars(who.tenant))
             else:
-                ids = self.tokenizer.encode(body.prompt, body.add_special_tokens)
+                ids = await self._tokenize_text(
+                    body.prompt, body.add_special_tokens, self._max_chars(who.tenant)
+                )
+            await self.charge_tokens(who.tenant, len(ids))
         except RequestError as e:
             return _error(e)
         out: dict[str, Any] = {
@@ -1143,15 +1376,36 @@ class IngressCore:
             out["token_strs"] = self.tokenizer.tok.convert_ids_to_tokens(ids)
         return out
 
+    async def _tokenize_chat(self, body: Any, tenant: str, max_chars: int) -> list[int]:
+        text = await self._render_chat(body, max_chars)
+        return await self._tokenize_text(text, body.add_special_tokens, max_chars, "messages")
+
+    async def _tokenize_text(
+        self, text: str, add_special_tokens: bool, max_chars: int, where: str = "prompt"
+    ) -> list[int]:
+        if len(text) > max_chars:
+            raise self._too_long(where, len(text), max_chars)
+        return await self._off_loop(
+            lambda: self.tokenizer.encode(text, add_special_tokens), len(text), where
+        )
+
     async def detokenize(self, request: Request, body: DetokenizeRequest) -> Any:
-        """vLLM's ``/detokenize``: the text of token ids (ids outside the vocabulary: 400)."""
+        """vLLM's ``/detokenize``: the text of token ids (ids outside the vocabulary: 400;
+        more ids than the context holds: 400). Charged as tokens, like ``/tokenize``."""
         try:
-            await self.tenant(request)
+            who = await self.principal(request)
             self._check_model(body.model)
+            cap = self.cfg.model.max_model_len
+            if len(body.tokens) > cap:
+                raise RequestError(
+                    f"tokens: {len(body.tokens)} ids; at most max_model_len={cap}", "tokens"
+                )
             ids = self.tokenizer.check_ids(list(body.tokens), "tokens")
+            await self.charge_tokens(who.tenant, len(ids))
+            text = await self._off_loop(lambda: self.tokenizer.decode(ids), 4 * len(ids), "tokens")
         except RequestError as e:
             return _error(e)
-        return {"prompt": self.tokenizer.decode(ids)}
+        return {"prompt": text}
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -1167,17 +1421,22 @@ class IngressCore:
         request: Request,
         body: CompletionRequest | ChatCompletionRequest,
         charge: bool = True,
+        tenant: str | None = None,
     ) -> Prepared:
-        """Auth, validation, tokenization, block hashes and (``charge``) the tenant's rate
-        limits; raises :class:`RequestError`."""
+        """Validation, tokenization, block hashes and (``charge``) the tenant's tokens; raises
+        :class:`RequestError`. ``tenant`` is whose cache namespace the prompt is hashed in
+        (the caller's own unless an operator names one)."""
         t0 = time.monotonic()
         chat = isinstance(body, ChatCompletionRequest)
-        tenant = await self.tenant(request)
+        if tenant is None:
+            tenant = (await self.principal(request)).tenant
         try:
             timeout_s = self._timeout_of(request)
             prep = await self._prepare(request, body, tenant, t0, chat, charge)
         except RequestError as e:
             e.tenant = tenant
+            if charge and e.tokenized:  # refused after the work: the work is charged
+                await self.charge_tokens(tenant, e.tokenized)
             raise
         prep.deadline = t0 + timeout_s
         return prep
@@ -1213,6 +1472,110 @@ class IngressCore:
             code="deadline_exceeded",
         )
 
+    def _max_chars(self, tenant: str) -> int:
+        """The longest text prompt ``tenant`` may send, in characters: its context cap (its
+        ``max_context_tokens``, else ``max_model_len``) times
+        ``ingress.max_prompt_chars_per_token``. Longer is refused before tokenizing."""
+        cap = self.cfg.tenants.limits(tenant).max_context_tokens or self.cfg.model.max_model_len
+        cap = min(cap, self.cfg.model.max_model_len)
+        return cap * self.cfg.ingress.max_prompt_chars_per_token
+
+    def _too_long(self, where: str, chars: int, max_chars: int) -> RequestError:
+        return RequestError(
+            f"{where}: {chars} characters, more than any prompt this tenant may send "
+            f"({max_chars}: its context of tokens x ingress.max_prompt_chars_per_token)",
+            where,
+        )
+
+    async def _off_loop(self, fn: Callable[[], Any], size: int, where: str) -> Any:
+        """``fn()``: inline when ``size`` (characters) is small, else in the ingress's
+        preparation threads within ``ingress.render_timeout_s`` (past it a 413 naming
+        ``where``; the thread finishes on its own, bounded by the prompt's size)."""
+        if size <= self.cfg.ingress.tokenize_off_loop_chars:
+            return fn()
+        budget = self.cfg.ingress.render_timeout_s
+        fut = asyncio.get_running_loop().run_in_executor(self._prep_pool, fn)
+        try:
+            return await asyncio.wait_for(fut, budget)
+        except TimeoutError:
+            self.render_timeouts += 1
+            raise RequestError(
+                f"{where}: rendering and tokenizing took longer than "
+                f"ingress.render_timeout_s={budget:g} s",
+                where,
+                status=413,
+            ) from None
+
+    async def _render_chat(self, body: Any, max_chars: int) -> str:
+        """The conversation through the chat template: the model's (in the preparation
+        threads when long), or the request's own when the operator trusts them (in the
+        template sandbox); at most ``max_chars`` characters (else a 400 before tokenizing)."""
+        shown = sum(len(c) for c in _contents(body.messages))
+        if shown > max_chars:
+            raise self._too_long("messages", shown, max_chars)
+        own = getattr(body, "chat_template", None)
+        if own is not None and self.sandbox is not None:
+            job = self.tokenizer.template_job(body, template_variables(own))
+            job.update(template=own, max_chars=max_chars)
+            job["kwargs"] = {**self.tokenizer.special_tokens(), **job["kwargs"]}
+            budget = self.cfg.ingress.render_timeout_s
+            try:
+                text = await self.sandbox.render(job, budget)
+            except SandboxBusy:
+                raise RequestError(
+                    "chat_template: the template sandbox is busy with other requests' "
+                    "templates; retry",
+                    "chat_template",
+                    status=503,
+                    headers={"Retry-After": str(max(1, math.ceil(budget)))},
+                ) from None
+            except SandboxTimeout:
+                self.render_timeouts += 1
+                raise RequestError(
+                    f"chat_template: rendering took longer than ingress.render_timeout_s="
+                    f"{budget:g} s",
+                    "chat_template",
+                    status=413,
+                ) from None
+            except ValueError as e:
+                raise RequestError(f"chat_template: {e}", "chat_template") from None
+        else:
+            job = self.tokenizer.template_job(body, self.tokenizer.template_vars)
+            size = _body_size(body)
+            text = await self._off_loop(lambda: self.tokenizer.render(job), size, "messages")
+        if len(text) > max_chars:
+            raise self._too_long("messages", len(text), max_chars)
+        return text
+
+    def _check_joint(self, body: Any, prompts: int, tenant: str) -> None:
+        """The joint bounds of one request, before any work: ``prompts x n`` sequences and
+        ``prompts x n x max_tokens`` output tokens (each cap alone would allow their product;
+        a request that sends no ``max_tokens`` counts its default)."""
+        ing = self.cfg.ingress
+        n = body.n or 1
+        seqs = prompts * n
+        if seqs > ing.max_request_sequences:
+            raise RequestError(
+                f"n: {prompts} prompt(s) x n={n} = {seqs} sequences; at most "
+                f"ingress.max_request_sequences={ing.max_request_sequences} per request",
+                "n",
+            )
+        if isinstance(body, ChatCompletionRequest):
+            asked = body.max_completion_tokens or vars(body).get("max_tokens")
+        else:
+            asked = body.max_tokens
+        cap = self.cfg.tenants.limits(tenant).max_tokens
+        default = min(ing.max_tokens_default, cap) if cap else ing.max_tokens_default
+        per = asked if asked is not None else default
+        total = seqs * per
+        if total > ing.max_request_output_tokens:
+            raise RequestError(
+                f"max_tokens: {seqs} sequences x max_tokens {per} = {total} output tokens; at "
+                f"most ingress.max_request_output_tokens={ing.max_request_output_tokens} per "
+                "request",
+                "max_tokens",
+            )
+
     async def _prepare(
         self,
         request: Request,
@@ -1225,30 +1588,54 @@ class IngressCore:
         if charge:
             self._overloaded(0, 0)  # before tokenizing: a refusal under overload is cheap
         self._check_model(body.model)
-        refuse_unsupported(body)  # before tokenizing (a batch of prompts, say)
+        trust = self.cfg.ingress.trust_request_chat_template
+        refuse_unsupported(body, trust)  # before tokenizing (a batch of prompts, say)
+        check_bounds(body, self.bounds)
         if body.n is not None and body.n > self.cfg.ingress.max_n:
             raise RequestError(
                 f"n={body.n} is above this server's limit of {self.cfg.ingress.max_n}", "n"
             )
+        self._check_joint(body, 1, tenant)
         limits = self.cfg.tenants.limits(tenant)
         space = f"@{limits.cache_group}" if limits.cache_group else tenant
         salt = space if not body.cache_salt else f"{space}:{body.cache_salt}"
         max_len = self.cfg.model.max_model_len
         max_ctx = limits.max_context_tokens
+        max_chars = self._max_chars(tenant)
         colocated = self.colocated
+        text: str | None
+        if chat:
+            text = await self._render_chat(body, max_chars)
+        else:
+            assert isinstance(body, CompletionRequest)
+            p = single_prompt(body.prompt)
+            text = p if isinstance(p, str) else None
+            if text is not None and len(text) > max_chars:
+                raise self._too_long("prompt", len(text), max_chars)
+
+        def tokens() -> tuple[list[int], str | None]:
+            if chat:
+                assert text is not None
+                return self.tokenizer.encode(text, body.add_special_tokens), text
+            assert isinstance(body, CompletionRequest)
+            return self.tokenizer.completion_prompt(body.prompt, body.add_special_tokens)
 
         def work() -> tuple[list[int], str | None, Resolved, dict[str, list[int]]]:
-            text: str | None
-            if chat:
-                ids, text = self.tokenizer.chat_prompt(body)
-            else:
-                assert isinstance(body, CompletionRequest)
-                ids, text = self.tokenizer.completion_prompt(body.prompt, body.add_special_tokens)
+            ids, txt = tokens()
+            try:
+                return checked(ids, txt)
+            except RequestError as e:  # refused after tokenizing: its tenant pays the work
+                e.tokenized = len(ids)
+                raise
+
+        def checked(
+            ids: list[int], txt: str | None
+        ) -> tuple[list[int], str | None, Resolved, dict[str, list[int]]]:
             if body.truncate_prompt_tokens is not None:
                 keep = max_len if body.truncate_prompt_tokens == -1 else body.truncate_prompt_tokens
                 if len(ids) > keep:
                     ids = ids[:keep] if body.truncation_side == "right" else ids[len(ids) - keep :]
-                    text = None if not chat else text  # echo the prompt as truncated
+                    txt = None if not chat else txt  # echo the prompt as truncated
             where = "messages" if chat else "prompt"
             if not ids:
                 raise RequestError("the prompt is empty", where)
@@ -1265,6 +1652,7 @@ class IngressCore:
                 default_max_tokens=self.cfg.ingress.max_tokens_default,
                 defaults=self.defaults,
                 max_tokens_cap=limits.max_tokens,
+                trust_request_chat_template=trust,
             )
             if colocated and resolved.sampling.prompt_logprobs is not None:
                 field = "echo" if getattr(body, "echo", False) else "prompt_logprobs"
@@ -1273,12 +1661,10 @@ class IngressCore:
                     "(they come from a prefill replica in PD mode)",
                     field,
                 )
-            return ids, text, resolved, self.index.hashes(ids, salt)
+            return ids, txt, resolved, self.index.hashes(ids, salt)
 
-        if _size(body) > self.cfg.ingress.tokenize_off_loop_chars:
-            ids, text, resolved, hashes = await asyncio.to_thread(work)
-        else:
-            ids, text, resolved, hashes = work()
+        where = "messages" if chat else "prompt"
+        ids, text, resolved, hashes = await self._off_loop(work, _body_size(body), where)
         rid = new_id("chatcmpl" if chat else "cmpl", body.request_id)
         prep = Prepared(
             rid=rid,
@@ -1388,6 +1774,7 @@ class IngressCore:
                     "retries": attempt,
                 },
             )
+            prep.kv_pending = pre if pre.kv_transfer_params else None
             return pre
 
     def _cold_wait(self, prep: Prepared, role: str, engine_rid: str) -> float:
@@ -1415,6 +1802,7 @@ class IngressCore:
         (``engine_timeout_s`` from the first chunk request, or the request's deadline when
         sooner) raise :class:`RequestError` (502/504); the stream is cancelled on the way
         out, which aborts the request in the decode engine (its KV blocks come back)."""
+        prep.kv_pending = None  # this call takes the KV (or releases it, _release_unsent)
         span = child(self.tracer, "pdserve.decode", prep.parent)
         route = RouteHint(len(prep.ids), None, prep.sampling.max_tokens * prep.sampling.n)
         if self.colocated and prep.hint is not None:  # the prefix index picks the engine
@@ -1504,11 +1892,19 @@ class IngressCore:
         prefill of a request aborted before its pull, and a release then could free blocks
         that engine is reading."""
         placed = not self.waits[self._decode_dep].withdraw(dreq.request_id)
-        params = dreq.kv_transfer_params
-        if placed or not params or not pre.replica_id:
+        if not placed and dreq.kv_transfer_params:
+            self._release_prefilled(dreq.request_id, pre)
+
+    def _release_prefilled(self, rid: str, pre: EngineChunk) -> None:
+        """Ask the prefill replica that holds ``pre``'s KV (pinned to it) to free it now
+        rather than at NIXL's lease: no decode engine has the request (its decode call was
+        withdrawn, never made: a batch's sibling failed, the client went between the two
+        phases). See :meth:`EngineReplica.release_kv`."""
+        params = pre.kv_transfer_params
+        if not params or not pre.replica_id:
             return
         rel = EngineRequest(
-            f"{dreq.request_id}-release",
+            f"{rid}-release",
             (),
             Sampling(max_tokens=1),
             kv_transfer_params=dict(params),
@@ -1627,21 +2023,13 @@ class IngressCore:
         return JSONResponse(out)
 
     async def respond_sse(
-        self, parts: list[tuple[Prepared, EngineChunk]], chunks: AsyncIterator[EngineChunk]
+        self,
+        parts: list[tuple[Prepared, EngineChunk]],
+        chunks: AsyncIterator[EngineChunk],
+        tally: _Tally,
     ) -> AsyncIterator[str]:
-        """The SSE lines of a streamed response (its trace ends even when the client goes)."""
-        prep0 = parts[0][0]
-        try:
-            async for line in self._sse(parts, chunks):
-                yield line
-        finally:
-            if prep0.span is not None:  # the client went away mid-stream
-                self._finish_span(prep0.span, 499, "client disconnected")
-                prep0.span = None
-
-    async def _sse(
-        self, parts: list[tuple[Prepared, EngineChunk]], chunks: AsyncIterator[EngineChunk]
-    ) -> AsyncIterator[str]:
+        """The SSE lines of a streamed response (its close, :meth:`_close_stream`, ends its
+        trace and settles it when the client goes)."""
         created = int(time.time())
         m = self.model_name
         prep0 = parts[0][0]
@@ -1649,7 +2037,6 @@ class IngressCore:
         def sse(obj: dict[str, Any]) -> str:
             return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
-        tally = _Tally(parts)
         state: dict[int, Any] = {}
         try:
             async for ch in _with_echo_only(parts, chunks):
@@ -1709,7 +2096,7 @@ class IngressCore:
             self.phases[k].append(max(0.0, v))
         if prep.last_chunk_at is not None:
             self.phases["respond"].append(now - prep.last_chunk_at)
-        self._give_back(prep, n_out)
+        self._give_back(prep)
         m, tenant = self.metrics, prep.tenant
         m.inc("pdserve_requests", tenant=tenant, endpoint=_endpoint(prep), status=str(status))
         m.observe("pdserve_e2e_seconds", total_s, tenant=tenant)
@@ -1757,9 +2144,9 @@ class IngressCore:
         """A request that failed after ``prepare``: its metric and trace end, its error body
         (its reserved output tokens go back to its tenant, and those of the batch's other
         prompts in ``also``)."""
-        self._give_back(prep, 0)
+        self._give_back(prep)
         for other in also or ():
-            self._give_back(other, 0)
+            self._give_back(other)
         self.metrics.inc(
             "pdserve_requests", tenant=prep.tenant, endpoint=_endpoint(prep), status=str(e.status)
         )
@@ -1789,6 +2176,9 @@ def _local_prefill(prep: Prepared) -> EngineChunk:
     return EngineChunk("", (), None, len(prep.ids), 0, 0.0, kv_transfer_params=None)
 
 
+_TENANT_NAME = re.compile(TENANT_PATTERN)
+
+
 def _uncached(prep: Prepared, hint: RouteHint) -> int:
     """The prompt tokens the prefill will compute: all but the best prefix the index saw."""
     return max(0, len(prep.ids) - max((hint.matches or {}).values(), default=0))
@@ -1813,6 +2203,7 @@ def _tenancy(cfg: AppConfig, app: str) -> tuple[KeyStore, RateLimiter]:
         )
     hashes = {hash_key(k): v for k, v in cfg.ingress.api_keys.items()}
     hashes.update(t.key_hashes)
+    hashes.update({h: OPERATOR for h in t.operator_key_hashes})
     keys = KeyStore(
         hashes,
         file=Path(t.keys_file).expanduser() if t.keys_file else None,
@@ -1838,6 +2229,7 @@ class _Tally:
         k = ch.index // self.n
         self.n_out[k] += len(ch.token_ids)
         self.last[k] = ch
+        self.parts[k][0].produced += len(ch.token_ids)
         return self.parts[k]
 
     def usage(self) -> Any:
@@ -1860,13 +2252,29 @@ def _endpoint(prep: Prepared) -> str:
     return "chat" if prep.chat else "completions"
 
 
-def _size(body: CompletionRequest | ChatCompletionRequest) -> int:
-    """A cheap size of the prompt in characters (token ids count as a few each)."""
+def _contents(messages: Any) -> list[str]:
+    """The string contents of a chat's messages (text parts included), cheaply: before the
+    template runs, to refuse a conversation no context could hold."""
+    out: list[str] = []
+    for m in messages or ():
+        c = dict(m).get("content")
+        if isinstance(c, str):
+            out.append(c)
+        elif isinstance(c, list):
+            out.extend(
+                p.get("text") or ""
+                for p in c
+                if isinstance(p, dict) and isinstance(p.get("text"), str)
+            )
+    return out
+
+
+def _body_size(body: CompletionRequest | ChatCompletionRequest) -> int:
+    """A cheap size of the work in characters: a chat's contents (and its tools), a prompt's
+    text (token ids count as a few each)."""
     if isinstance(body, ChatCompletionRequest):
-        total = 0
-        for m in body.messages:
-            c = dict(m).get("content")
-            total += len(c) if isinstance(c, str) else 64
+        total = sum(len(c) for c in _contents(body.messages))
+        total += 64 * (len(body.messages) + len(getattr(body, "tools", None) or ()))
         return total
     p = body.prompt
     if isinstance(p, str):
@@ -1910,15 +2318,21 @@ def _echo(
 
 
 def _merge_logprobs(acc: Any, new: Any) -> Any:
-    """Append one chunk's logprobs to a choice's (chat: lists; completions: the object)."""
+    """Append one chunk's logprobs to a choice's (chat: lists; completions: the object), in
+    place: linear in the tokens (a concatenation per chunk made a long answer quadratic)."""
     if new is None:
         return acc
     if acc is None:
         return new
     if isinstance(acc, list):
-        return acc + new
+        acc.extend(new)
+        return acc
     for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
-        setattr(acc, name, (getattr(acc, name) or []) + (getattr(new, name) or []))
+        more = getattr(new, name)
+        if more:
+            if getattr(acc, name) is None:
+                setattr(acc, name, [])
+            getattr(acc, name).extend(more)
     return acc
 
 
@@ -2011,3 +2425,43 @@ async def _prepend(
         yield first
     async for ch in rest:
         yield ch
+
+
+class _SettlingStream:
+    """A response body (an async iterator of SSE lines) that runs ``on_close`` exactly once
+    when it ends, fails or is closed, also when it was never iterated (the client went
+    before the first byte: Starlette then never starts the body)."""
+
+    def __init__(self, lines: AsyncIterator[str], on_close: Callable[[], Any]) -> None:
+        self._lines = lines
+        self._on_close: Callable[[], Any] | None = on_close
+
+    def __aiter__(self) -> _SettlingStream:
+        return self
+
+    async def __anext__(self) -> str:
+        try:
+            return await self._lines.__anext__()
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def aclose(self) -> None:
+        on_close, self._on_close = self._on_close, None
+        if on_close is None:
+            return
+        try:
+            await self._lines.aclose()  # type: ignore[attr-defined]
+        finally:
+            await on_close()
+
+
+class _ClosingStreamingResponse(StreamingResponse):
+    """Starlette's streaming response, whose body is closed however the response ends
+    (Starlette cancels the body on a disconnect without closing it)."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await asyncio.shield(self.body_iterator.aclose())  # type: ignore[attr-defined]

@@ -60,7 +60,13 @@ from vllm.exceptions import VLLMClientError
 from deployments.protocol import Sampling, TokenLogprob
 
 #: OpenAI's error types for the statuses that have their own
-_ERROR_TYPES = {401: "authentication_error", 429: "rate_limit_error", 503: "overloaded_error"}
+_ERROR_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+}
 
 
 class RequestError(ValueError):
@@ -84,6 +90,8 @@ class RequestError(ValueError):
         self.code = code
         #: the tenant, when known (for the metrics of a refusal)
         self.tenant: str | None = None
+        #: prompt tokens tokenized before the refusal (the work its tenant is charged for)
+        self.tokenized = 0
 
     def body(self) -> dict[str, Any]:
         """OpenAI's error envelope."""
@@ -287,12 +295,73 @@ IGNORED: dict[str, str] = {
 }
 
 
-def refuse_unsupported(req: Any) -> None:
-    """Raise :class:`RequestError` for the first field set to something the PD path cannot do."""
+def refuse_unsupported(req: Any, trust_request_chat_template: bool = False) -> None:
+    """Raise :class:`RequestError` for the first field set to something the PD path cannot do
+    (a request's own ``chat_template`` passes when the operator trusts them:
+    ``ingress.trust_request_chat_template``)."""
     fields = type(req).model_fields
     for name, (bad, why) in REFUSED.items():
+        if name == "chat_template" and trust_request_chat_template:
+            continue
         if name in fields and bad(getattr(req, name), req):
             raise RequestError(f"{name}: {why}", name)
+
+
+#: what a client ``request_id`` may hold (it reaches logs, engine request ids and spans)
+REQUEST_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._:-")
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """Per-request bounds on the fields that make work in the shared engines or reach logs
+    (``ingress.*``: see :class:`deployments.config.IngressConfig`)."""
+
+    allowed_vllm_xargs: frozenset[str] = frozenset()
+    max_stop_sequences: int = 16
+    max_logit_bias: int = 300
+    max_request_id_chars: int = 128
+
+
+def check_bounds(req: Any, b: Bounds) -> None:
+    """Raise :class:`RequestError` (400 naming the field) for a field past its bound: a
+    ``vllm_xargs`` key not allowed (it reaches the engines' ``SamplingParams.extra_args``,
+    where vLLM keeps its own fields), too many stop strings, stop token ids, bad words or
+    logit-bias entries, a ``request_id`` too long or with other characters than
+    :data:`REQUEST_ID_CHARS`. Cheap: it runs before the prompt is tokenized."""
+    rid = getattr(req, "request_id", None)
+    if isinstance(rid, str):
+        if len(rid) > b.max_request_id_chars:
+            raise RequestError(
+                f"request_id: {len(rid)} characters; at most {b.max_request_id_chars}",
+                "request_id",
+            )
+        if not set(rid) <= REQUEST_ID_CHARS:
+            raise RequestError("request_id: letters, digits and '._:-' only", "request_id")
+    xargs = getattr(req, "vllm_xargs", None) or {}
+    bad = sorted(k for k in xargs if k not in b.allowed_vllm_xargs)
+    if bad:
+        allowed = ", ".join(sorted(b.allowed_vllm_xargs)) or "none"
+        raise RequestError(
+            f"vllm_xargs.{bad[0][:64]}: not an allowed extension key (allowed: {allowed}; "
+            "ingress.allowed_vllm_xargs)",
+            f"vllm_xargs.{bad[0][:64]}",
+        )
+    stop = getattr(req, "stop", None)
+    lists = {
+        "stop": [stop] if isinstance(stop, str) else list(stop or ()),
+        "stop_token_ids": list(getattr(req, "stop_token_ids", None) or ()),
+        "bad_words": list(getattr(req, "bad_words", None) or ()),
+    }
+    for name, items in lists.items():
+        if len(items) > b.max_stop_sequences:
+            raise RequestError(
+                f"{name}: {len(items)} entries; at most {b.max_stop_sequences}", name
+            )
+    bias = getattr(req, "logit_bias", None) or {}
+    if len(bias) > b.max_logit_bias:
+        raise RequestError(
+            f"logit_bias: {len(bias)} entries; at most {b.max_logit_bias}", "logit_bias"
+        )
 
 
 @dataclass(frozen=True)
@@ -328,6 +397,7 @@ def sampling_of(
     default_max_tokens: int,
     defaults: dict[str, Any] | None = None,
     max_tokens_cap: int | None = None,
+    trust_request_chat_template: bool = False,
 ) -> Resolved:
     """The engines' sampling for ``req``, after every PD-path check.
 
@@ -339,7 +409,7 @@ def sampling_of(
     tenant's cap: a request asking for more is a 400 naming the field; the default is held
     under it.
     """
-    refuse_unsupported(req)
+    refuse_unsupported(req, trust_request_chat_template)
     chat = isinstance(req, ChatCompletionRequest)
     room = max_model_len - prompt_tokens
     where = "messages" if chat else "prompt"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,6 +16,25 @@ PREFILL_KV_PARAMS: dict[str, Any] = {
     "remote_host": None,
     "remote_port": None,
 }
+
+
+#: Keys of vLLM's ``SamplingParams.extra_args`` that vLLM itself reads (the KV and encoder
+#: cache hand-offs): the engine replicas set them, a request never does.
+ENGINE_EXTRA_ARGS = frozenset({"kv_transfer_params", "ec_transfer_params"})
+
+
+def engine_extra_args(
+    asked: Mapping[str, Any] | None, kv_params: Mapping[str, Any] | None
+) -> dict[str, Any] | None:
+    """The ``extra_args`` an engine call runs with: the request's own (its ``vllm_xargs``,
+    which the ingress let through its allow-list) without any of :data:`ENGINE_EXTRA_ARGS`,
+    plus this call's own KV hand-off (``kv_params``: a prefill's :data:`PREFILL_KV_PARAMS`,
+    a decode's pull of the prefill's output, or nothing when the engine computes the prompt
+    itself). Used on every path, so no request field can steer a transfer."""
+    out = {k: v for k, v in (asked or {}).items() if k not in ENGINE_EXTRA_ARGS}
+    if kv_params:
+        out["kv_transfer_params"] = dict(kv_params)
+    return out or None
 
 
 class EngineRefused(ValueError):

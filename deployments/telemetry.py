@@ -168,6 +168,11 @@ SERIES: dict[str, tuple[str, str, tuple[str, ...], list[float] | None]] = {
         "counter", "Requests refused with 429, by tenant and the limit (requests, tokens).",
         ("tenant", "limit"), None,
     ),
+    "pdserve_auth_refused": (
+        "counter", "Requests refused before their body was read, by tenant ('-' when no key "
+        "matched) and reason (invalid_key, address_throttled, wrong_kind_of_key, "
+        "rate_limited).", ("tenant", "reason"), None,
+    ),
     "pdserve_deadline_exceeded": (
         "counter", "Requests whose deadline passed (504; both engines aborted them), by "
         "tenant and the phase it passed in (prefill, decode).", ("tenant", "phase"), None,

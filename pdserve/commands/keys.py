@@ -15,6 +15,7 @@ from typing import Any
 import typer
 
 from cluster.tenants import (
+    OPERATOR,
     TENANT_PATTERN,
     hash_key,
     is_key_hash,
@@ -63,18 +64,29 @@ def _load(file: Path | None, redis: str | None, app_name: str) -> dict[str, str]
 
 @keys_app.command("new")
 def new(
-    tenant: str = typer.Argument(..., help="The tenant the key belongs to."),
+    tenant: str | None = typer.Argument(None, help="The tenant the key belongs to."),
+    operator: bool = typer.Option(
+        False,
+        "--operator",
+        help="An operator key instead (no TENANT): it reaches /v1/pdserve/* (stats, route "
+        "explanations, resets) and nothing else.",
+    ),
     file: Path | None = _FILE,
     redis: str | None = _REDIS,
     app_name: str = _APP,
 ) -> None:
-    """Make a key for TENANT and store its hash; the key is printed once.
+    """Make a key for TENANT (or, with ``--operator``, an operator key) and store its hash;
+    the key is printed once.
 
-    With no store, prints the key and the ``tenants.key_hashes`` line to put in the config."""
+    With no store, prints the key and the config line to put it in (``tenants.key_hashes``,
+    or ``tenants.operator_key_hashes``)."""
     import re
 
-    if not re.match(TENANT_PATTERN, tenant):
+    if operator == (tenant is not None):
+        raise typer.BadParameter("give a TENANT or --operator (one of them)")
+    if tenant is not None and not re.match(TENANT_PATTERN, tenant):
         raise typer.BadParameter(f"tenant {tenant!r}: letters, digits, '_', '.', '-' only")
+    tenant = tenant or OPERATOR
     key = new_key()
     h = hash_key(key)
     if file is not None and redis is not None:
@@ -85,6 +97,8 @@ def new(
         write_keys_file(file, keys)
     elif redis is not None:
         _redis_call(redis, lambda r: r.hset(redis_keys_key(app_name), h, tenant))
+    elif operator:
+        typer.echo(f"# tenants.operator_key_hashes entry:\n#   - {h}", err=True)
     else:
         typer.echo(f"# tenants.key_hashes entry:\n#   {h}: {tenant}", err=True)
     typer.echo(key)
@@ -100,7 +114,9 @@ def list_keys(file: Path | None = _FILE, redis: str | None = _REDIS, app_name: s
 
 @keys_app.command("revoke")
 def revoke(
-    tenant: str | None = typer.Option(None, "--tenant", help="Revoke every key of TENANT."),
+    tenant: str | None = typer.Option(
+        None, "--tenant", help="Revoke every key of TENANT ('@operator': the operator's)."
+    ),
     key_hash: str | None = typer.Option(
         None, "--hash", help="Revoke one key by its hash (or a prefix of 16+ hex digits)."
     ),

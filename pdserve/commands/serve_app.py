@@ -96,6 +96,10 @@ def up(
     raw = yaml.safe_load(config.read_text())
     for a in raw.get("applications", []):
         cfg = load_app_config(a.get("args") or {})  # validates
+        try:
+            cfg.check_auth()
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--config") from None
         ensure_model(cfg)  # builds once
         if cfg.index.backend == "redis":
             _ensure_local_redis(cfg.index.redis_url, _redis_dir())

@@ -100,7 +100,12 @@ def render(stats: dict[str, Any]) -> Any:
 @app.command("status")
 def status(
     url: str = typer.Option("http://127.0.0.1:8000", help="The app's HTTP address."),
-    key: str = typer.Option(None, envvar="PDSERVE_API_KEY", help="An API key, when required."),
+    key: str = typer.Option(
+        None,
+        envvar="PDSERVE_OPERATOR_KEY",
+        help="An operator key (pdserve keys new --operator): the stats are an operator route "
+        "whenever the app has keys (ingress.auth: keys).",
+    ),
     watch: bool = typer.Option(False, "--watch", help="Redraw until interrupted."),
     every: float = typer.Option(2.0, min=0.2, help="Seconds between redraws (--watch)."),
 ) -> None:

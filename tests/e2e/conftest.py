@@ -21,6 +21,12 @@ QUEUE_BOUND = 40
 TENANT_KEYS = {"sk-alice": "alice", "sk-bob": "bob"}
 #: keys given to the app hashed only (tenants.key_hashes): carol and dave share a cache group
 HASHED_KEYS = {"sk-carol": "carol", "sk-dave": "dave", "sk-fuzz": "fuzz"}
+#: the operator's key (tenants.operator_key_hashes): /v1/pdserve/* only
+OPERATOR_KEY = "sk-operator"
+OP_AUTH = {"Authorization": f"Bearer {OPERATOR_KEY}"}
+#: the suite's tenants have no rate limits unless a test sets some: said explicitly, as a
+#: config must (the shipped default limits every tenant)
+UNLIMITED = {"requests_per_second": None, "tokens_per_minute": None}
 
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,7 +63,9 @@ def pd_args(model_dir: Path, cache_dir: Path) -> dict[str, Any]:
         },
         "tenants": {
             "key_hashes": {hash_key(k): t for k, t in HASHED_KEYS.items()},
+            "operator_key_hashes": [hash_key(OPERATOR_KEY)],
             "keys_file": str(keys_file),
+            "default": UNLIMITED,
             "by_name": {
                 "carol": {"cache_group": "acme"},
                 "dave": {"cache_group": "acme", "max_tokens": 4},

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.conftest import only_app, pd_args, wait_ready
+from tests.e2e.conftest import OP_AUTH, only_app, pd_args, wait_ready
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -55,7 +55,7 @@ def post(app: dict[str, Any], body: dict[str, Any]) -> httpx.Response:
 def test_one_engine_serves_both_phases_with_fairway_and_twp(colocated: dict[str, Any]) -> None:
     h = httpx.get(f"{colocated['url']}/health", timeout=30).json()
     assert h["status"] == "ok" and h["engines"] == {"prefill": True}
-    s = httpx.get(f"{colocated['url']}/v1/pdserve/stats", timeout=30).json()
+    s = httpx.get(f"{colocated['url']}/v1/pdserve/stats", headers=OP_AUTH, timeout=30).json()
     assert s["replicas"]["decode"] == [] and len(s["replicas"]["prefill"]) == 1
     body = {"model": "test", "prompt": "colocated", "max_tokens": 12, "ignore_eos": True}
     r = post(colocated, body)

@@ -29,7 +29,15 @@ import httpx
 import pytest
 
 from cluster.tenants import hash_key
-from tests.e2e.conftest import RUNTIMES, only_app, shipped_engine, wait_until
+from tests.e2e.conftest import (
+    OP_AUTH,
+    OPERATOR_KEY,
+    RUNTIMES,
+    UNLIMITED,
+    only_app,
+    shipped_engine,
+    wait_until,
+)
 from tests.e2e.test_pd_cluster import prompt
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
@@ -74,7 +82,11 @@ def fault_args(model_dir: Path, cache_dir: Path, redis_url: str) -> dict[str, An
         "decode": {"num_replicas": 2, "cpu_bind": "1", **engine, **shipped_engine("decode")},
         "ingress": {"num_cpus": 0.25, "request_timeout_s": 120},
         "index": {"backend": "redis", "redis_url": redis_url},
-        "tenants": {"key_hashes": {hash_key(KEY): "faults", hash_key(REF_KEY): "reference"}},
+        "tenants": {
+            "key_hashes": {hash_key(KEY): "faults", hash_key(REF_KEY): "reference"},
+            "operator_key_hashes": [hash_key(OPERATOR_KEY)],
+            "default": UNLIMITED,
+        },
         "routing": {"policy": "prefix_load"},
     }
 
@@ -147,7 +159,7 @@ def _health(app: dict[str, Any]) -> int:
 
 
 def stats(app: dict[str, Any]) -> dict[str, Any]:
-    r = httpx.get(f"{app['url']}/v1/pdserve/stats", headers=AUTH, timeout=30)
+    r = httpx.get(f"{app['url']}/v1/pdserve/stats", headers=OP_AUTH, timeout=30)
     r.raise_for_status()
     return dict(r.json())
 
@@ -206,7 +218,13 @@ def in_flight(row: dict[str, Any]) -> int:
 
 def matches(app: dict[str, Any], ids: list[int]) -> dict[str, int]:
     body = {"model": "test", "prompt": ids, "max_tokens": 1}
-    r = httpx.post(f"{app['url']}/v1/pdserve/route", json=body, headers=AUTH, timeout=30)
+    r = httpx.post(
+        f"{app['url']}/v1/pdserve/route",
+        json=body,
+        headers=OP_AUTH,
+        params={"tenant": "faults"},
+        timeout=30,
+    )
     r.raise_for_status()
     return dict(r.json()["matches"] or {})
 

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.conftest import RUNTIMES, only_app, pd_args, wait_ready, wait_until
+from tests.e2e.conftest import OP_AUTH, RUNTIMES, only_app, pd_args, wait_ready, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -70,7 +70,7 @@ def engine_stats(app: dict[str, Any], role: str) -> dict[str, Any]:
 
 
 def ingress_stats(app: dict[str, Any]) -> dict[str, Any]:
-    return dict(httpx.get(f"{app['url']}/v1/pdserve/stats", timeout=30).json())
+    return dict(httpx.get(f"{app['url']}/v1/pdserve/stats", headers=OP_AUTH, timeout=30).json())
 
 
 class Traffic:

@@ -77,15 +77,37 @@ def complete(app: dict[str, Any], headers: dict[str, str], **body: Any) -> dict[
     return dict(r.json())
 
 
-def test_one_trace_across_every_hop_under_the_clients_traceparent(
+def linked_root(folder: Path, client_trace: str) -> dict[str, Any] | None:
+    """The request span linked to the client's trace ``client_trace``, if exported yet."""
+    for f in folder.glob("spans-*.jsonl"):
+        for line in f.read_text().splitlines():
+            s = json.loads(line)
+            links = s.get("links") or []
+            if s["name"] == "pdserve.request" and any(
+                ln["context"]["trace_id"] == f"0x{client_trace}" for ln in links
+            ):
+                return dict(s)
+    return None
+
+
+def test_one_trace_across_every_hop_linked_to_the_clients_traceparent(
     traced_app: dict[str, Any],
 ) -> None:
-    trace_id, parent = secrets.token_hex(16), secrets.token_hex(8)
-    out = complete(traced_app, {"traceparent": f"00-{trace_id}-{parent}-01"})
+    """The request's trace is the server's own (a client can neither force sampling nor
+    pick the trace id: ``client_context: link``), linked to the client's span, and covers
+    every hop."""
+    client_trace, parent = secrets.token_hex(16), secrets.token_hex(8)
+    out = complete(traced_app, {"traceparent": f"00-{client_trace}-{parent}-01"})
     want = {
         "pdserve.request", "pdserve.prepare", "pdserve.route", "pdserve.prefill",
         "pdserve.decode", "engine.prefill", "engine.decode",
     }  # fmt: skip
+    linked = wait_for(
+        lambda: linked_root(traced_app["spans"], client_trace), "the request's root span"
+    )
+    trace_id = linked["context"]["trace_id"].removeprefix("0x")
+    assert trace_id != client_trace  # the server's own trace
+    assert spans_of(traced_app["spans"], client_trace) == []  # nothing joined the client's
 
     def complete_trace() -> list[dict[str, Any]] | None:
         got = spans_of(traced_app["spans"], trace_id)
@@ -94,7 +116,9 @@ def test_one_trace_across_every_hop_under_the_clients_traceparent(
     spans = wait_for(complete_trace, "every span of the trace")
     by = {s["name"]: s for s in spans}
     root = by["pdserve.request"]
-    assert root["parent_id"] == f"0x{parent}"  # the client's span is the parent
+    assert root["parent_id"] is None  # a root, linked (not parented) to the client's span
+    (link,) = root["links"]
+    assert link["context"]["span_id"] == f"0x{parent}"
     for name in ("pdserve.prepare", "pdserve.route", "pdserve.prefill", "pdserve.decode"):
         assert by[name]["parent_id"] == root["context"]["span_id"], name
     assert by["engine.prefill"]["parent_id"] == by["pdserve.prefill"]["context"]["span_id"]

@@ -15,6 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.e2e.conftest import OP_AUTH
+
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.integration,
@@ -47,7 +49,7 @@ def counters(handle: Any) -> dict[str, Any]:
 
 
 def stats(app: dict[str, Any]) -> dict[str, Any]:
-    return dict(httpx.get(f"{app['url']}/v1/pdserve/stats", timeout=30).json())
+    return dict(httpx.get(f"{app['url']}/v1/pdserve/stats", headers=OP_AUTH, timeout=30).json())
 
 
 @pytest.mark.parametrize(

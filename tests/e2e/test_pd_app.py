@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.conftest import wait_until
+from tests.e2e.conftest import OP_AUTH, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -264,7 +264,9 @@ def test_over_the_queue_bound_requests_get_503_and_the_admitted_all_complete(
             assert r.json()["error"]["type"] == "overloaded_error"
         else:
             assert r.json()["usage"]["completion_tokens"] == 3
-    s = httpx.get(f"{pd_app['url']}/v1/pdserve/stats", timeout=30).json()["ingress"]
+    s = httpx.get(f"{pd_app['url']}/v1/pdserve/stats", headers=OP_AUTH, timeout=30).json()[
+        "ingress"
+    ]
     assert s["prefill_queue"]["peak"] <= QUEUE_BOUND
     assert s["prefill_queue"]["in_flight"] == 0  # every admitted slot came back
     assert s["prefill_queue"]["overload_refused"] >= codes.count(503)
@@ -344,7 +346,7 @@ def test_same_long_prompt_twice_reports_cached_tokens(pd_app: dict[str, Any]) ->
 
 
 def _stats(app: dict[str, Any]) -> dict[str, Any]:
-    return dict(httpx.get(f"{app['url']}/v1/pdserve/stats", timeout=30).json())
+    return dict(httpx.get(f"{app['url']}/v1/pdserve/stats", headers=OP_AUTH, timeout=30).json())
 
 
 def _engines_idle(app: dict[str, Any]) -> bool:

@@ -18,7 +18,16 @@ import httpx
 import pytest
 
 from cluster.tenants import hash_key
-from tests.e2e.conftest import only_app, serve_state, shipped_engine, wait_ready, wait_until
+from tests.e2e.conftest import (
+    OP_AUTH,
+    OPERATOR_KEY,
+    UNLIMITED,
+    only_app,
+    serve_state,
+    shipped_engine,
+    wait_ready,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -49,6 +58,8 @@ def cluster_args(model_dir: Path, cache_dir: Path, backend: str, redis_url: str 
         # every call sends KEY; the "limited" tenant's bucket is shared by both ingress replicas
         "tenants": {
             "key_hashes": {hash_key(KEY): "cluster", hash_key(LIMITED_KEY): "limited"},
+            "operator_key_hashes": [hash_key(OPERATOR_KEY)],
+            "default": UNLIMITED,
             "by_name": {"limited": {"requests_per_second": 0.001, "burst_requests": 4}},
         },
         # a hot spot on this tiny model is a few hundred queued tokens, not thousands
@@ -79,7 +90,7 @@ def cluster(
 
 
 def stats(app: dict[str, Any]) -> dict[str, Any]:
-    r = httpx.get(f"{app['url']}/v1/pdserve/stats", headers=AUTH, timeout=30)
+    r = httpx.get(f"{app['url']}/v1/pdserve/stats", headers=OP_AUTH, timeout=30)
     r.raise_for_status()
     return dict(r.json())
 
@@ -116,7 +127,13 @@ def complete(app: dict[str, Any], ids: list[int], max_tokens: int = 2) -> dict[s
 
 def matches(app: dict[str, Any], ids: list[int]) -> dict[str, int]:
     body = {"model": "test", "prompt": ids, "max_tokens": 1}
-    r = httpx.post(f"{app['url']}/v1/pdserve/route", json=body, headers=AUTH, timeout=30)
+    r = httpx.post(
+        f"{app['url']}/v1/pdserve/route",
+        json=body,
+        headers=OP_AUTH,
+        params={"tenant": "cluster"},
+        timeout=30,
+    )
     r.raise_for_status()
     return dict(r.json()["matches"] or {})
 

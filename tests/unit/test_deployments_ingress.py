@@ -14,7 +14,13 @@ from fastapi.testclient import TestClient
 from ray.exceptions import ActorDiedError
 
 from deployments.engine import _count_failed_transfers
-from deployments.openai_api import ChatCompletionRequest, CompletionRequest
+from deployments.openai_api import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
 from deployments.protocol import EngineChunk, EngineRefused, EngineRequest
 
 pytestmark = pytest.mark.slow  # builds the tiny model's tokenizer once per session
@@ -105,12 +111,24 @@ def wired(tiny_model_dir: Path) -> Any:
 
 
 def _wire(tiny_model_dir: Path, extra: dict[str, Any]) -> Any:
+    from cluster.tenants import hash_key
+    from deployments.auth import AuthGuard
     from deployments.config import AppConfig
     from deployments.http_guard import BodyGuard
     from deployments.ingress import IngressCore, api
 
-    # no replica directories behind the fakes: readiness without the pair warm-up
-    extra = {**extra, "ingress": {"warm_up": False, **extra.get("ingress", {})}}
+    # no replica directories behind the fakes: readiness without the pair warm-up; no
+    # cached readiness (the tests flip the fakes' state and probe at once)
+    extra = {
+        **extra,
+        "ingress": {"warm_up": False, "health_cache_s": 0, **extra.get("ingress", {})},
+        # no rate limits unless a test sets some (said explicitly: the default limits all)
+        "tenants": {
+            "operator_key_hashes": [hash_key("op-key")],
+            "default": {"requests_per_second": None, "tokens_per_minute": None},
+            **extra.get("tenants", {}),
+        },
+    }
 
     cfg = AppConfig.model_validate(
         {
@@ -125,6 +143,7 @@ def _wire(tiny_model_dir: Path, extra: dict[str, Any]) -> Any:
     app.exception_handlers.update(api.exception_handlers)
     ing = AppConfig.model_validate(cfg).ingress
     app.add_middleware(BodyGuard, max_body_bytes=ing.max_body_bytes, max_json_depth=64)
+    app.add_middleware(AuthGuard, gate=core.gate)
 
     @app.post("/v1/completions")
     async def comp(request: Request, body: CompletionRequest) -> Any:
@@ -138,13 +157,27 @@ def _wire(tiny_model_dir: Path, extra: dict[str, Any]) -> Any:
     async def health() -> Any:
         return await core.health()
 
-    @app.post("/route")
-    async def route(request: Request, body: CompletionRequest) -> Any:
-        return await core.explain(request, body)
+    @app.post("/tokenize")
+    async def tokenize(
+        request: Request, body: TokenizeCompletionRequest | TokenizeChatRequest
+    ) -> Any:
+        return await core.tokenize(request, body)
 
-    @app.get("/stats")
-    async def stats(reset: bool = False) -> Any:
-        return await core.stats(reset=reset)
+    @app.post("/detokenize")
+    async def detokenize(request: Request, body: DetokenizeRequest) -> Any:
+        return await core.detokenize(request, body)
+
+    @app.post("/v1/pdserve/route")
+    async def route(request: Request, body: CompletionRequest, tenant: str = "anonymous") -> Any:
+        return await core.explain(request, body, tenant)
+
+    @app.get("/v1/pdserve/stats")
+    async def stats() -> Any:
+        return await core.stats()
+
+    @app.post("/v1/pdserve/stats/reset")
+    async def stats_reset() -> Any:
+        return await core.stats(reset=True)
 
     client = TestClient(app)
     client.core = core  # type: ignore[attr-defined]
@@ -153,6 +186,10 @@ def _wire(tiny_model_dir: Path, extra: dict[str, Any]) -> Any:
 
 def auth(k: str = "ka") -> dict[str, str]:
     return {"Authorization": f"Bearer {k}"}
+
+
+#: the operator's key (every wired app has it): /v1/pdserve/* only
+OP = auth("op-key")
 
 
 def test_kv_params_go_from_prefill_to_decode_with_the_tenant_salt(wired: Any) -> None:
@@ -174,7 +211,7 @@ def test_kv_params_go_from_prefill_to_decode_with_the_tenant_salt(wired: Any) ->
 
 def test_route_hint_and_phase_timings(wired: Any) -> None:
     client, pre, dec = wired
-    client.get("/stats", params={"reset": True})
+    client.post("/v1/pdserve/stats/reset", headers=OP)
     r = client.post(
         "/v1/completions",
         json={"model": "test", "prompt": "hello there", "max_tokens": 300},
@@ -186,10 +223,10 @@ def test_route_hint_and_phase_timings(wired: Any) -> None:
     assert hint.matches is None  # index.backend: none -> the router routes by load
     assert hint.expected_output_tokens == 64  # min(max_tokens, routing.expected_output_tokens)
     assert dec.seen[-1].route is not None and dec.seen[-1].route.expected_output_tokens == 300
-    s = client.get("/stats").json()
+    s = client.get("/v1/pdserve/stats", headers=OP).json()
     phases = s["ingress"]["phases_s"]
     assert set(phases) == {"prepare", "route", "prefill", "decode_first", "decode", "respond"}
-    assert all(p["n"] == 1 for p in phases.values())
+    assert all(p["n"] == 1 for p in phases.values()), phases
     assert s["ingress"]["overhead_s"]["n"] == 1
     assert s["index"]["backend"] == "none" and s["router"]["policy"] == "prefix_load"
 
@@ -293,7 +330,7 @@ def test_engine_failures_are_gateway_errors_and_streams_stay_well_formed(wired: 
 
 
 def retries(client: Any) -> dict[str, int]:
-    return dict(client.get("/stats").json()["ingress"]["replica_retries"])
+    return dict(client.get("/v1/pdserve/stats", headers=OP).json()["ingress"]["replica_retries"])
 
 
 def test_a_dead_replica_is_retried_elsewhere_only_before_the_client_got_anything(
@@ -589,7 +626,7 @@ _J = {"content-type": "application/json"}
         (b"", _J, 400, "body is empty"),
         (b'{"prompt": "x", "temperature": NaN, "max_tokens": 1}', _J, 400, "finite"),
         (b'{"prompt": "\\ud800", "max_tokens": 1}', _J, 400, "not valid JSON"),
-        (b'{"prompt": "x", "max_tokens": 1000000000000000000000}', _J, 400, "max_model_len"),
+        (b'{"prompt": "x", "max_tokens": 1000000000000000000000}', _J, 400, "max_request_output"),
         (b'{"prompt": "x", "max_tokens": 0}', _J, 400, "at least 1"),
         (b'{"prompt": [], "max_tokens": 1}', _J, 400, "the prompt is empty"),
         (b'{"prompt": [1000000000], "max_tokens": 1}', _J, 400, "outside the vocabulary"),
@@ -637,11 +674,21 @@ def test_json_depth() -> None:
     assert json_depth(1) == 0 and json_depth([]) == 1 and json_depth({"a": [1, {"b": []}]}) == 4
 
 
-def test_explaining_a_route_takes_nothing_from_the_limits(tenanted: Any) -> None:
+def test_explaining_a_route_is_the_operators_and_takes_nothing_from_the_tenant(
+    tenanted: Any,
+) -> None:
     client, _, _ = tenanted
     body = {"model": "test", "prompt": "hello", "max_tokens": 1}
+    route = "/v1/pdserve/route"
+    r = client.post(route, json=body, headers=auth("k-erin"))
+    assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
     for _ in range(3):
-        assert client.post("/route", json=body, headers=auth("k-erin")).status_code == 200
+        r = client.post(route, json=body, headers=OP, params={"tenant": "erin"})
+        assert r.status_code == 200 and r.json()["tenant"] == "erin"
+    r = client.post(route, json=body, headers=OP, params={"tenant": "no/such"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tenant"
+    # the operator's explanations took nothing: erin's burst of one request is intact
+    # (her 403 above was refused before her bucket was charged)
     assert client.post("/v1/completions", json=body, headers=auth("k-erin")).status_code == 200
     assert client.post("/v1/completions", json=body, headers=auth("k-erin")).status_code == 429
 
@@ -696,7 +743,7 @@ def test_over_the_queue_bound_a_503_at_once_and_the_admitted_all_complete(bounde
         assert r.status_code == 503 and r.headers["retry-after"] == "2"
         err = r.json()["error"]
         assert err["type"] == "overloaded_error" and "3 requests queued" in err["message"]
-    s = client.get("/stats").json()["ingress"]["prefill_queue"]
+    s = client.get("/v1/pdserve/stats", headers=OP).json()["ingress"]["prefill_queue"]
     assert s["in_flight"] == 0 and s["uncached_tokens"] == 0  # every slot came back
     assert s["peak"] == 3 and s["overload_refused"] == 4
 
@@ -710,7 +757,11 @@ def test_routing_user_config_applies_live_and_bad_values_keep_the_old(tiny_model
     from deployments.router_registry import routing_of
 
     cfg = AppConfig.model_validate(
-        {"model": {"path": str(tiny_model_dir), "build_preset": None}, "index": {"backend": "none"}}
+        {
+            "model": {"path": str(tiny_model_dir), "build_preset": None},
+            "index": {"backend": "none"},
+            "ingress": {"auth": "none", "health_cache_s": 0},
+        }
     ).model_dump(mode="json")
     core = IngressCore(cfg, FakeEngine("prefill"), FakeEngine("decode"), app_name="live-unit")
     core.reconfigure({"routing": {"policy": "round_robin", "hotspot_slack_tokens": 99}})
@@ -744,7 +795,11 @@ def test_ready_waits_for_every_prefill_decode_pair_to_be_warmed(tiny_model_dir: 
 
     app = "warm-unit"
     cfg = AppConfig.model_validate(
-        {"model": {"path": str(tiny_model_dir), "build_preset": None}, "index": {"backend": "none"}}
+        {
+            "model": {"path": str(tiny_model_dir), "build_preset": None},
+            "index": {"backend": "none"},
+            "ingress": {"auth": "none", "health_cache_s": 0},
+        }
     ).model_dump(mode="json")
     pre, dec = FakeEngine("prefill"), FakeEngine("decode")
     core = IngressCore(cfg, pre, dec, app_name=app)
@@ -775,7 +830,10 @@ def test_short_prompts_are_prefilled_on_their_decode_replica(tiny_model_dir: Pat
     """routing.local_prefill_threshold_tokens: a prompt shorter than it skips the prefill
     replica (the decode request carries no KV parameters: the decode engine computes the
     prompt); a longer one, or one asking for the prefill's own output (echo), goes PD."""
-    client, pre, dec = _wire(tiny_model_dir, {"routing": {"local_prefill_threshold_tokens": 32}})
+    client, pre, dec = _wire(
+        tiny_model_dir,
+        {"ingress": {"auth": "none"}, "routing": {"local_prefill_threshold_tokens": 32}},
+    )
     body = {"model": "test", "prompt": "short one", "max_tokens": 3}
     r = client.post("/v1/completions", json=body)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
@@ -785,7 +843,7 @@ def test_short_prompts_are_prefilled_on_their_decode_replica(tiny_model_dir: Pat
     assert len(pre.seen) == 1 and dec.seen[-1].kv_transfer_params == KV
     assert client.post("/v1/completions", json=body | {"echo": True}).status_code == 200
     assert len(pre.seen) == 2
-    assert client.get("/stats").json()["ingress"]["decode_local"] == 1
+    assert client.get("/v1/pdserve/stats", headers=OP).json()["ingress"]["decode_local"] == 1
 
 
 def _colocated(tiny_model_dir: Path, app_name: str) -> tuple[Any, FakeEngine, Any]:
@@ -799,6 +857,7 @@ def _colocated(tiny_model_dir: Path, app_name: str) -> tuple[Any, FakeEngine, An
             "mode": "colocated",
             "model": {"path": str(tiny_model_dir), "build_preset": None},
             "index": {"backend": "none"},
+            "ingress": {"auth": "none", "health_cache_s": 0},
         }
     ).model_dump(mode="json")
     eng = FakeEngine("prefill")
@@ -936,13 +995,13 @@ def test_a_decode_call_no_router_placed_releases_the_prefills_kv_and_a_placed_on
         asyncio.run(go())
         return pre.released[n:]
 
-    before = dict(client.get("/stats").json()["ingress"]["kv_released"])
+    before = dict(client.get("/v1/pdserve/stats", headers=OP).json()["ingress"]["kv_released"])
     sent = end_before_first_chunk("never-placed")
     assert len(sent) == 1
     assert sent[0].route is not None and sent[0].route.pin == "prefill-7"
     assert sent[0].kv_transfer_params == KV
     assert waits.place("never-placed", 0.0) is False  # a router can no longer place it
-    after = client.get("/stats").json()["ingress"]["kv_released"]
+    after = client.get("/v1/pdserve/stats", headers=OP).json()["ingress"]["kv_released"]
     assert after["sent"] == before["sent"] + 1 and after["freed"] == before["freed"] + 1
 
     assert waits.place("placed", 0.0) is True  # a router placed it: a decode engine has it

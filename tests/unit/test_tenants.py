@@ -145,7 +145,16 @@ def test_tenant_limits_merge_and_name_bad_fields() -> None:
     bob = cfg.tenants.limits("bob")
     assert bob.requests_per_second == 2.5 and bob.max_tokens == 64 and bob.cache_group == "acme"
     assert bob.buckets() == {"requests": (2.5, 3.0), "tokens": (10.0, 600.0)}
-    assert cfg.tenants.limits("zed").buckets() == {"requests": (2.5, 3.0)}
+    # the tokens limit nobody set is the shipped default: no tenant is unlimited by omission
+    assert cfg.tenants.limits("zed").buckets() == {
+        "requests": (2.5, 3.0),
+        "tokens": (1_000_000 / 60, 1_000_000.0),
+    }
+    free = load_app_config(
+        {"tenants": {"by_name": {"bulk": {"requests_per_second": None, "tokens_per_minute": None}}}}
+    )
+    assert free.tenants.limits("bulk").buckets() == {}  # unlimited: said explicitly
+    assert set(free.tenants.limits("other").buckets()) == {"requests", "tokens"}
     for bad, field in (
         ({"key_hashes": {"abc": "x"}}, "tenants.key_hashes"),
         ({"by_name": {"bad name": {}}}, "tenants.by_name"),
