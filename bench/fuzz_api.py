@@ -72,7 +72,8 @@ def fuzz(
     from tqdm import tqdm
 
     base = url.rstrip("/")
-    spec = httpx.get(f"{base}/openapi.json", timeout=timeout_s).json()
+    auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    spec = httpx.get(f"{base}/openapi.json", headers=auth, timeout=timeout_s).json()
     schema = schemathesis.openapi.from_dict(spec)
     ops = []
     for r in schema.get_all_operations():

@@ -183,9 +183,11 @@ class KeyStore:
                 e,
             )
 
-    async def tenant(self, key: str) -> str | None:
+    async def tenant(self, key: str, remote: bool = True) -> str | None:
         """The tenant of ``key``, or None when no source knows it; raises
-        :class:`KeyStoreUnavailable` when only Redis could tell and it failed."""
+        :class:`KeyStoreUnavailable` when only Redis could tell and it failed. ``remote``
+        False: no Redis call (a cached answer still counts), for a caller that has sent too
+        many unknown keys already."""
         if not key:
             return None
         h = hash_key(key)
@@ -200,6 +202,8 @@ class KeyStore:
         hit = self._cache.get(h)
         if hit is not None and hit[1] > now:
             return hit[0]
+        if not remote:
+            return None
         try:
             self.stats.redis_lookups += 1
             got = await self.redis.hget(self.redis_key, h)

@@ -13,7 +13,10 @@ envelope), so a request without a valid key costs a header lookup, never a parse
   (the OpenAI routes, ``/tokenize``, ``/detokenize``) a tenant key. Each kind reaches only its
   own routes (least privilege); the API's schema and docs are readable with either.
 - A client address that sent ``ingress.max_auth_failures`` failed keys (refilled at
-  ``ingress.auth_failures_per_minute``) gets 429 before its key is even looked up.
+  ``ingress.auth_failures_per_minute``) gets 429 for every further unknown key, and its keys
+  are then looked up only where that costs nothing (the config's, the keys file's, Redis
+  answers already cached): no Redis call per guess. A valid key still passes, so an attacker
+  behind the same address (a NAT, a load balancer) cannot lock other tenants out.
 - A tenant's ``POST`` (every route that does work) takes one unit from its requests bucket
   here, before the body is read: a request refused later still cost its tenant a request.
 
@@ -165,7 +168,12 @@ class Gate:
 
     async def _authenticate(self, headers: Mapping[str, str], addr: str) -> Principal:
         wait = self.failures.retry_after(addr)
-        if wait is not None:
+        key = _bearer(headers)
+        try:
+            tenant = await self.keys.tenant(key, remote=wait is None) if key else None
+        except KeyStoreUnavailable as e:
+            raise _refusal(503, str(e), "key_store_unavailable", {"Retry-After": "1"}) from None
+        if tenant is None and wait is not None:
             secs = max(1, math.ceil(wait))
             raise self._no(
                 "-",
@@ -177,11 +185,6 @@ class Gate:
                     {"Retry-After": str(secs)},
                 ),
             )
-        key = _bearer(headers)
-        try:
-            tenant = await self.keys.tenant(key) if key else None
-        except KeyStoreUnavailable as e:
-            raise _refusal(503, str(e), "key_store_unavailable", {"Retry-After": "1"}) from None
         if tenant is None:
             self.failures.failed(addr)
             raise self._no(

@@ -533,6 +533,9 @@ class IngressCore:
         self.sandbox = TemplateSandbox() if ing.trust_request_chat_template else None
         #: prompts refused because rendering or tokenizing passed ingress.render_timeout_s
         self.render_timeouts = 0
+        #: output tokens reserved per tenant by requests still running (each reservation is
+        #: settled when its request ends, however it ends: 0 once a tenant's requests are done)
+        self.reserved_tokens: dict[str, int] = {}
         #: /health: the last answer and when it was made (reused for ingress.health_cache_s),
         #: and the check in flight (concurrent probes wait for the same one)
         self._health: tuple[float, JSONResponse] | None = None
@@ -724,6 +727,7 @@ class IngressCore:
             e.tokenized = len(prep.ids)
             raise e
         prep.reserved = (bucket, out)
+        self.reserved_tokens[prep.tenant] = self.reserved_tokens.get(prep.tenant, 0) + out
 
     async def charge_tokens(self, tenant: str, tokens: int) -> None:
         """Charge ``tokens`` of work already done (tokenized) to ``tenant``'s tokens bucket,
@@ -738,6 +742,11 @@ class IngressCore:
             return
         bucket, out = prep.reserved
         prep.reserved = None
+        left = self.reserved_tokens.get(prep.tenant, 0) - out
+        if left > 0:
+            self.reserved_tokens[prep.tenant] = left
+        else:
+            self.reserved_tokens.pop(prep.tenant, None)
         produced = prep.produced
         if out > produced:
             task = asyncio.get_running_loop().create_task(
@@ -1045,7 +1054,9 @@ class IngressCore:
                 "refused": self.live_refused,
                 "error": self.live_error,
             },
-            "rate_limits": {"backend": self.limiter.backend} | asdict(self.limiter.stats),
+            "rate_limits": {"backend": self.limiter.backend}
+            | asdict(self.limiter.stats)
+            | {"reserved_tokens": dict(sorted(self.reserved_tokens.items())[:256])},
             "keys": asdict(self.keys.stats),
             "auth": {
                 "mode": self.cfg.ingress.auth,

@@ -18,7 +18,14 @@ from tests.fixtures.ray_cluster import free_port
 APP = "pdserve"
 #: the app's overload bound: prefill requests in flight per prefill replica (one replica)
 QUEUE_BOUND = 40
-TENANT_KEYS = {"sk-alice": "alice", "sk-bob": "bob"}
+TENANT_KEYS = {
+    "sk-alice": "alice",
+    "sk-bob": "bob",
+    # the hostile-tenant suite (test_hostile.py): a victim, an attacker and a flooder
+    "sk-victor": "victor",
+    "sk-mallory": "mallory",
+    "sk-flood": "flood",
+}
 #: keys given to the app hashed only (tenants.key_hashes): carol and dave share a cache group
 HASHED_KEYS = {"sk-carol": "carol", "sk-dave": "dave", "sk-fuzz": "fuzz"}
 #: the operator's key (tenants.operator_key_hashes): /v1/pdserve/* only
@@ -71,6 +78,19 @@ def pd_args(model_dir: Path, cache_dir: Path) -> dict[str, Any]:
                 "dave": {"cache_group": "acme", "max_tokens": 4},
                 # fuzzed requests stay small: a few tokens out, short prompts
                 "fuzz": {"max_tokens": 4, "max_context_tokens": 256},
+                # the attacker: limited, as a real tenant would be (bench.hostile's limits)
+                "mallory": {
+                    "requests_per_second": 20,
+                    "burst_requests": 60,
+                    "tokens_per_minute": 60_000,
+                    "max_context_tokens": 512,
+                    "max_tokens": 64,
+                },
+                "flood": {
+                    "requests_per_second": 5,
+                    "burst_requests": 10,
+                    "tokens_per_minute": 20_000,
+                },
             },
         },
     }

@@ -78,17 +78,33 @@ def test_without_keys_every_route_is_anonymous_and_explicitly_so() -> None:
     assert check(g, "GET", "/v1/pdserve/stats").operator
 
 
-def test_failed_keys_from_one_address_are_slowed_down_before_the_key_is_looked_up() -> None:
+class CountingRedis:
+    """A Redis that knows no key and counts the lookups it was asked for."""
+
+    def __init__(self) -> None:
+        self.lookups = 0
+
+    async def hget(self, *_: Any) -> None:
+        self.lookups += 1
+
+
+def test_failed_keys_from_one_address_are_slowed_down_and_cost_no_lookups() -> None:
     clock = Clock()
     g = gate(clock=clock, limits={})
-    for _ in range(3):  # the burst: three failures, each a 401
-        assert status(g, "POST", "/v1/completions", "guess", addr="6.6.6.6") == 401
-    e = pytest.raises(RequestError, check, g, "POST", "/v1/completions", "k-alice", "6.6.6.6")
-    assert e.value.status == 429 and e.value.headers["Retry-After"] == "10"  # 6 a minute
-    # even its right key waits; other addresses are not slowed
-    assert check(g, "POST", "/v1/completions", "k-alice", addr="7.7.7.7").tenant == "alice"
-    clock.t += 10.0
+    g.keys.redis = redis = CountingRedis()
+    for i in range(3):  # the burst: three failures, each a 401 (and a Redis lookup)
+        assert status(g, "POST", "/v1/completions", f"guess{i}", addr="6.6.6.6") == 401
+    assert redis.lookups == 3
+    for i in range(20):
+        e = pytest.raises(RequestError, check, g, "POST", "/v1/completions", f"g{i}", "6.6.6.6")
+        assert e.value.status == 429 and e.value.headers["Retry-After"] == "10"  # 6 a minute
+    assert redis.lookups == 3  # past the bound, guesses cost no lookup
+    # a valid key from that address still passes (the guesser may share its NAT or load
+    # balancer with real tenants), and other addresses are not slowed at all
     assert check(g, "POST", "/v1/completions", "k-alice", addr="6.6.6.6").tenant == "alice"
+    assert status(g, "POST", "/v1/completions", "guess", addr="7.7.7.7") == 401
+    clock.t += 10.0
+    assert status(g, "POST", "/v1/completions", "guess9", addr="6.6.6.6") == 401
 
 
 def test_the_failure_table_is_bounded() -> None:

@@ -377,6 +377,7 @@ def test_a_client_that_leaves_mid_stream_gets_its_unused_reservation_back(
     used = 6000.0 - available(b, got["tat"], NOW)
     # charged the prompt and the two tokens that reached the client, not the 1,000 reserved
     assert used == pytest.approx(prompt + 2)
+    assert core.reserved_tokens == {}  # nothing left reserved
     assert dec.cancelled == 1  # the decode stream was ended (its engine aborts the request)
 
 
@@ -392,6 +393,7 @@ def test_a_failed_sibling_in_a_batch_gives_back_every_reservation_and_kv(
     prompts = sum(len(q.prompt_token_ids) for q in pre.seen)
     used = 6000.0 - available(Bucket(100.0, 6000.0), got["tat"], NOW)
     assert used == pytest.approx(prompts)  # the 3 x 900 reserved all came back
+    assert core.reserved_tokens == {}
     # the two prefills that ran hold KV for a decode that will never come: released now
     released = sorted(r.kv_transfer_params["remote_request_id"] for r in pre.released)
     ran = sorted(q.request_id for q in pre.seen if poison not in q.prompt_token_ids)
