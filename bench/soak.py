@@ -273,8 +273,11 @@ def run(
     drain_bound_s: float = 30.0,
     settle_s: float = 5.0,
     seed: int = 0,
+    operator_key: str | None = None,
 ) -> dict[str, Any]:
-    """The report (see the module docstring)."""
+    """The report (see the module docstring). ``key`` is the tenant's that sends the load;
+    ``operator_key`` reads the stats (an app with keys answers them to an operator only)."""
+    op = operator_key or key
     bodies = request_bodies(seed, documents, doc_tokens, question_tokens, max_tokens)
     report: dict[str, Any] = {
         "simulated": False,
@@ -293,15 +296,15 @@ def run(
     report["capacity_steps"] = steps
     if sat <= 0:
         raise RuntimeError(f"no request completed while measuring capacity: {steps}")
-    wait_idle(url, key, drain_bound_s * 4)
+    wait_idle(url, op, drain_bound_s * 4)
     if warmup_s is None:
         warmup_s = duration_s / len(levels)
     report["warmup_s"] = warmup_s
     with tqdm(total=int(sat * max(levels) * warmup_s), desc="warm-up", unit="req") as bar:
         warm = asyncio.run(_open_loop(url, key, bodies, sat * max(levels), warmup_s, seed, bar))
     report["warmup_outcomes"] = dict(Counter(w for _, w, _ in warm))
-    wait_idle(url, key, drain_bound_s * 4)
-    base_tables = tables(stats(url, key))
+    wait_idle(url, op, drain_bound_s * 4)
+    base_tables = tables(stats(url, op))
     mem = _Memory()
     mem.start()
     results: dict[str, Any] = {}
@@ -326,10 +329,10 @@ def run(
             offset += span
             results[f"{x:g}x"]["rss_mib"] = {k: v / 2**20 for k, v in rss().items()}
     t_drain = time.monotonic()
-    drained = wait_idle(url, key, drain_bound_s * 4)
+    drained = wait_idle(url, op, drain_bound_s * 4)
     report["drain_s"] = time.monotonic() - t_drain if drained else None
     time.sleep(settle_s)  # the routers' in-flight prefixes outlive a call by their grace
-    after_tables = tables(stats(url, key))
+    after_tables = tables(stats(url, op))
     mem.stop()
     report["levels_out"] = results
     errors = Counter(w for _, w, _ in timeline if w.startswith("error"))

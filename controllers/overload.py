@@ -13,8 +13,12 @@ the replicas' reports); ``lambda``: requests the engines completed per second ov
 ``window_s`` (from the same reports' cumulative counts). ``W`` is then the time the queue
 ahead of a new request takes to drain. When it passes ``max_expected_wait_s`` a new request
 is refused at once with 503 and ``Retry-After`` (about the time the excess takes to drain).
-With no completions in the window (start-up, idle) the rate is unknown and this bound does
-not refuse.
+With fewer than ``min_completions`` completions in the window (start-up, a lull) the rate is
+unknown and this bound does not refuse: from one or two completions ``W`` is noise (one
+request finished in 20 s reads as 0.05/s, and 4 requests queued behind a decode gate then read
+as 80 s), and it refused clients of an app just started (seen in the hostile-tenant suite:
+a victim's stream got 503 while the engines were far from saturated). The count bounds still
+hold meanwhile.
 
 Why waiting and not waiting + running: ``lambda`` is the engines' capacity only while they
 are saturated; below saturation it is the offered load. Counting running requests made the
@@ -35,10 +39,11 @@ from collections import deque
 class CompletionRate:
     """Completions per second from samples of a cumulative count, over a sliding window."""
 
-    def __init__(self, window_s: float = 20.0) -> None:
+    def __init__(self, window_s: float = 20.0, min_completions: int = 8) -> None:
         if not window_s > 0:
             raise ValueError(f"window_s must be > 0 (got {window_s})")
         self.window_s = window_s
+        self.min_completions = max(1, min_completions)
         self._samples: deque[tuple[float, int]] = deque()
 
     def add(self, now: float, total: int) -> None:
@@ -52,11 +57,12 @@ class CompletionRate:
 
     def rate(self) -> float | None:
         """Completions per second across the window; ``None`` before two samples a second
-        apart or when none completed (unknown, not zero: an idle system is not slow)."""
+        apart or while fewer than ``min_completions`` completed in it (unknown, not zero: an
+        idle system is not slow, and a rate from one or two completions is noise)."""
         if len(self._samples) < 2:
             return None
         (t0, n0), (t1, n1) = self._samples[0], self._samples[-1]
-        if t1 - t0 < 1.0 or n1 <= n0:
+        if t1 - t0 < 1.0 or n1 - n0 < self.min_completions:
             return None
         return (n1 - n0) / (t1 - t0)
 

@@ -3,7 +3,7 @@
 :class:`AuthGuard` is the ingress's outermost ASGI middleware. For every HTTP request it asks
 the :class:`Gate` for a :class:`Principal`; a refusal is answered at once (OpenAI's error
 envelope), so a request without a valid key costs a header lookup, never a parse. The rules
-(``docs/design.md``, "Who may call what"):
+(``docs/security.md``, "Who may call what"):
 
 - ``/health`` is open (readiness probes carry no key).
 - ``ingress.auth: none``: no keys; every request is tenant ``anonymous`` and may reach every

@@ -2280,10 +2280,11 @@ def _contents(messages: Any) -> list[str]:
     return out
 
 
-def _body_size(body: CompletionRequest | ChatCompletionRequest) -> int:
+def _body_size(body: Any) -> int:
     """A cheap size of the work in characters: a chat's contents (and its tools), a prompt's
-    text (token ids count as a few each)."""
-    if isinstance(body, ChatCompletionRequest):
+    text (token ids count as a few each); any request with ``messages`` (``/tokenize``'s too)
+    is a chat."""
+    if getattr(body, "messages", None) is not None:
         total = sum(len(c) for c in _contents(body.messages))
         total += 64 * (len(body.messages) + len(getattr(body, "tools", None) or ()))
         return total

@@ -538,6 +538,11 @@ def bench_soak(
         "share of --duration, so peak-concurrency buffers exist before memory is measured).",
     ),
     api_key: str | None = typer.Option(None, help="API key, when the app requires one."),
+    operator_key: str | None = typer.Option(
+        None,
+        envvar="PDSERVE_OPERATOR_KEY",
+        help="Operator key for the stats, when the app requires one.",
+    ),
     json_out: Path | None = typer.Option(None, "--json", help="Write the results as JSON here."),
     plot_out: Path | None = typer.Option(None, "--plot", help="Write a PNG of the run here."),
 ) -> None:
@@ -570,6 +575,7 @@ def bench_soak(
             levels=lv,
             capacity_s=capacity_s,
             warmup_s=warmup_s,
+            operator_key=operator_key,
         )
     finally:
         if up:

@@ -789,6 +789,7 @@ def test_a_short_soak_above_saturation_refuses_cleanly_drains_and_leaks_nothing(
         documents=4,
         doc_tokens=256,
         drain_bound_s=30,
+        operator_key=OPERATOR_KEY,
     )
     tally = REPORT.setdefault("soak_short", Tally())
     for level in res["levels_out"].values():

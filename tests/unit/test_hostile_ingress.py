@@ -453,3 +453,21 @@ def test_logprobs_merge_in_place() -> None:
     lp = Logprobs(tokens=["a"], token_logprobs=[-1.0], top_logprobs=None, text_offset=[0])
     same = _merge_logprobs(lp, Logprobs(tokens=["b"], token_logprobs=[-2.0], text_offset=[1]))
     assert same is lp and lp.tokens == ["a", "b"] and lp.text_offset == [0, 1]
+
+
+def test_tokenizing_a_conversation_renders_it_off_the_loop_and_charges_it(strict: Any) -> None:
+    client, _, _ = strict
+    msgs = [{"role": "user", "content": "find it " * 300}]  # long: the preparation threads
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]
+    r = client.post("/tokenize", json={"messages": msgs, "tools": tools}, headers=auth("k-tok"))
+    assert r.status_code == 200, r.text
+    with_tools = r.json()["count"]
+    r = client.post("/tokenize", json={"messages": msgs}, headers=auth("k-tok"))
+    assert r.status_code == 200 and r.json()["count"] < with_tools  # tools rendered
+    r = client.post(
+        "/tokenize",
+        json={"messages": msgs, "chat_template_kwargs": {"tokenize": True}},
+        headers=auth("k-tok"),
+    )
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "chat_template_kwargs.tokenize"

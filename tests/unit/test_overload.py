@@ -26,6 +26,17 @@ def test_completion_rate_over_a_sliding_window() -> None:
         CompletionRate(window_s=0)
 
 
+def test_a_rate_from_a_few_completions_is_unknown() -> None:
+    """Start-up: one completion in 20 s is not a capacity of 0.05/s (4 queued would read as
+    80 s and be refused); below ``min_completions`` the bound does not refuse."""
+    r = CompletionRate(window_s=20, min_completions=8)
+    r.add(0.0, 0)
+    r.add(20.0, 1)
+    assert r.rate() is None and expected_wait_s(4, r.rate()) is None
+    r.add(21.0, 8)
+    assert r.rate() == pytest.approx(8 / 21)
+
+
 def test_little_law_wait_and_the_refusal() -> None:
     assert expected_wait_s(60, 2.0) == 30.0
     assert expected_wait_s(5, None) is None and expected_wait_s(5, 0.0) is None
