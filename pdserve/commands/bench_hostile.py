@@ -68,7 +68,13 @@ def bench_hostile(
     attacker_key: str | None = typer.Option(None, help="The attacker tenant's key (--url)."),
     flood_key: str | None = typer.Option(None, help="The flooding tenant's key (--url)."),
     streams: int = typer.Option(4, min=1, max=64, help="The victim's streams at once."),
-    per_stream: int = typer.Option(6, min=1, help="Requests per victim stream per phase."),
+    per_stream: int = typer.Option(12, min=1, help="Requests per victim stream per phase."),
+    rate: float = typer.Option(
+        20.0, min=0.1, help="Attack requests per second (every class, and the control)."
+    ),
+    classes: str | None = typer.Option(
+        None, help="Comma-separated attack classes to run (default: every one)."
+    ),
     out: Path = typer.Option(Path("out/hostile"), help="Folder for the generated config."),
     json_out: Path | None = typer.Option(None, "--json", help="Write the results as JSON."),
     plot_out: Path | None = typer.Option(None, "--plot", help="Write the ratios as a PNG."),
@@ -79,8 +85,19 @@ def bench_hostile(
     on and goes down at the end."""
     import yaml
 
-    from bench.hostile import plot, run
+    from bench.hostile import ATTACKS, plot, run
     from bench.warm_start import pdserve_cli
+
+    attacks = ATTACKS
+    if classes is not None:
+        want = {c.strip() for c in classes.split(",") if c.strip()}
+        unknown = want - {a.name for a in ATTACKS}
+        if unknown:
+            names = ", ".join(a.name for a in ATTACKS)
+            raise typer.BadParameter(
+                f"unknown {sorted(unknown)}; one of {names}", param_hint="--classes"
+            )
+        attacks = tuple(a for a in ATTACKS if a.name in want)
 
     up = url is None
     if up:
@@ -99,7 +116,15 @@ def bench_hostile(
         keys = {"victim": victim_key, "attacker": attacker_key, "flood": flood_key}
     assert url is not None
     try:
-        res = run(url, keys, streams=streams, per_stream=per_stream, progress=progress)
+        res = run(
+            url,
+            keys,
+            streams=streams,
+            per_stream=per_stream,
+            rate=rate,
+            attacks=attacks,
+            progress=progress,
+        )
     finally:
         if up:
             pdserve_cli("down")
