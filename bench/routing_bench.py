@@ -237,7 +237,7 @@ def run(
     from deployments.config import load_app_config
 
     cfg = load_app_config(app_args)
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_AUTH_MODE", "token")  # as `pdserve up` starts a head
     if not ray.is_initialized():
         if os.environ.get("RAY_ADDRESS"):
             ray.init(log_to_driver=False)

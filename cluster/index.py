@@ -36,9 +36,9 @@ import asyncio
 import re
 import time
 from collections.abc import Callable, Sequence
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
 
 Clock = Callable[[], float]
 
@@ -71,6 +71,26 @@ class IndexConfig(BaseModel):
     socket_timeout_s: float = Field(
         default=1.0, gt=0, description="Redis socket time-out (a backstop; callers time out)."
     )
+    username: str | None = Field(default=None, description="Redis ACL user of this process.")
+    password: SecretStr | None = Field(
+        default=None, description="Its password (never printed: pydantic's SecretStr)."
+    )
+    ca_file: str | None = Field(
+        default=None, description="CA of the server's certificate (rediss://), else the system's."
+    )
+    key_ttl_s: float = Field(
+        default=3600.0,
+        gt=0,
+        description="Time to live of the index's keys, refreshed by every heartbeat: they are "
+        "the keys Redis may evict (maxmemory-policy volatile-lru).",
+    )
+
+    def credentials(self) -> Any:
+        """:class:`cluster.redis_auth.RedisCredentials` of this process."""
+        from cluster.redis_auth import RedisCredentials
+
+        pw = self.password.get_secret_value() if self.password is not None else None
+        return RedisCredentials(self.username, pw, self.ca_file)
 
     @field_validator("app", "deployment")
     @classmethod

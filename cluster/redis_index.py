@@ -274,11 +274,12 @@ redis.call('ZREM', K_SEEN, ARGV[1])
 return old and 1 or 0
 """
 
-# ARGV[1]=replica ARGV[2]=now ARGV[3]=sweep count
+# ARGV[1]=replica ARGV[2]=now ARGV[3]=sweep count ARGV[4]=the keys' time to live (ms)
 _HEARTBEAT = """
 if redis.call('HEXISTS', K_LIVE, ARGV[1]) == 0 then return 0 end
 redis.call('ZADD', K_SEEN, ARGV[2], ARGV[1])
 sweep(tonumber(ARGV[3]))
+for i = 1, #KEYS do redis.call('PEXPIRE', KEYS[i], ARGV[4]) end
 return 1
 """
 
@@ -322,6 +323,7 @@ class RedisPrefixIndex:
             decode_responses=False,
             socket_timeout=config.socket_timeout_s,
             socket_connect_timeout=config.socket_timeout_s,
+            **config.credentials().client_kwargs(),
         )
         self._ns = ns = config.namespace
         self._live, self._slots, self._blocks = ns + "live", ns + "slots", ns + "blocks"
@@ -332,6 +334,8 @@ class RedisPrefixIndex:
         ]  # fmt: skip
         self._match_keys = [self._slots, self._seen, self._blocks]
         lib = self._r.register_script
+        # run read-only (EVALSHA_RO, Redis 7): the ingress's user may only read the index
+        # (cluster.redis_auth), and Redis checks a plain EVALSHA's keys for writing
         self._match = lib(_BITS + _MATCH)
         self._record = lib(_LIB + _RECORD)
         self._evict = lib(_LIB + _EVICT)
@@ -355,6 +359,16 @@ class RedisPrefixIndex:
                 return False
         return True
 
+    async def _read_only(self, script: Any, keys: list[str], args: list[Any]) -> Any:
+        """``script`` by EVALSHA_RO (loaded first when Redis does not have it)."""
+        from redis.exceptions import NoScriptError
+
+        try:
+            return await self._r.evalsha_ro(script.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            await self._r.script_load(script.script)
+            return await self._r.evalsha_ro(script.sha, len(keys), *keys, *args)
+
     async def record(self, replica: str, hashes: Sequence[int]) -> bool:
         return await self._write(self._record, replica, hashes)
 
@@ -364,14 +378,20 @@ class RedisPrefixIndex:
     async def match(self, hashes: Sequence[int]) -> dict[str, int]:
         if not hashes:
             return {}
-        flat = await self._match(keys=self._match_keys, args=[self._floor(), _pack(hashes)])
+        flat = await self._read_only(self._match, self._match_keys, [self._floor(), _pack(hashes)])
         return {flat[i].decode(): int(flat[i + 1]) for i in range(0, len(flat), 2)}
 
     async def drop_replica(self, replica: str) -> None:
         await self._drop(keys=self._keys, args=[replica])
 
     async def heartbeat(self, replica: str) -> bool:
-        args: list[str | int] = [replica, repr(self._clock()), SWEEP_COUNT]
+        """Mark ``replica`` alive; also refreshes every index key's time to live
+        (``config.key_ttl_s``): the index's are the only keys of an app that carry one, so a
+        Redis under ``maxmemory-policy volatile-lru`` evicts them first, never a tenant's rate
+        limits or keys (:mod:`cluster.redis_auth`). Evicted entries come back as the feeds
+        re-register and re-record, as after a Redis restart."""
+        ttl_ms = int(self.config.key_ttl_s * 1000)
+        args: list[str | int] = [replica, repr(self._clock()), SWEEP_COUNT, ttl_ms]
         return bool(await self._heartbeat(keys=self._keys, args=args))
 
     async def live_replicas(self) -> dict[str, int]:

@@ -250,7 +250,10 @@ class LimiterStats:
 
 
 # KEYS: one per bucket; ARGV: rate, capacity, cost per bucket. Checks every bucket first and
-# takes from them only when all allow (atomically: no other script runs in between).
+# takes from them only when all allow (atomically: no other script runs in between). Buckets
+# carry no time to live: one key per tenant and bucket, and under maxmemory-policy
+# volatile-lru only keys with a time to live (the prefix index's) may be evicted, so a
+# tenant's limits never are (cluster.redis_auth).
 _TAKE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
@@ -268,8 +271,7 @@ for i = 1, #KEYS do
   new[i] = nt
 end
 for i = 1, #KEYS do
-  local ttl = math.ceil((new[i] - now) * 1000) + 1000
-  redis.call('SET', KEYS[i], string.format('%.6f', new[i]), 'PX', ttl)
+  redis.call('SET', KEYS[i], string.format('%.6f', new[i]))
 end
 return {1, 0, '0'}
 """
@@ -280,7 +282,7 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local tat = tonumber(redis.call('GET', KEYS[1]) or '0')
 local nt = math.max(tat, now) + tonumber(ARGV[2]) / tonumber(ARGV[1])
-redis.call('SET', KEYS[1], string.format('%.6f', nt), 'PX', math.ceil((nt - now) * 1000) + 1000)
+redis.call('SET', KEYS[1], string.format('%.6f', nt))
 return 1
 """
 
@@ -291,7 +293,7 @@ local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local tat = tonumber(redis.call('GET', KEYS[1]) or '0')
 if tat > now then
   local nt = math.max(now, tat - tonumber(ARGV[2]) / tonumber(ARGV[1]))
-  redis.call('SET', KEYS[1], string.format('%.6f', nt), 'PX', math.ceil((nt - now) * 1000) + 1000)
+  redis.call('SET', KEYS[1], string.format('%.6f', nt))
 end
 return 1
 """

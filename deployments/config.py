@@ -139,6 +139,14 @@ class KVEventsConfig(_Strict):
         default=True, description="Also bind a replay socket (feeds refill gaps from it)."
     )
     topic: str = Field(default="kv-events", min_length=1, description="ZMQ topic of the frames.")
+    transport: Literal["ipc", "tcp"] = Field(
+        default="ipc",
+        description="'ipc': Unix sockets in a folder only this node's pdserve user can enter "
+        "(no port at all): what the Redis index needs (each prefill replica feeds its own "
+        "events) and the memory index on one node. 'tcp': ports bound on every interface, "
+        "for a memory-index ingress on another node; the events carry every tenant's prompt "
+        "token ids, so only the ingress may reach them (k8s NetworkPolicy).",
+    )
 
 
 class EngineConfig(_Strict):
@@ -686,8 +694,30 @@ class TenantsConfig(_Strict):
         # keys_in_redis counts too, but needs the index's URL: AppConfig checks it
 
 
+class RedisUser(_Strict):
+    """One role's Redis ACL user: its name and the file that holds its password (a mounted
+    Secret; never the password itself, which would sit in the config in the clear)."""
+
+    username: str = Field(min_length=1, max_length=128, description="The ACL user.")
+    password_file: str = Field(
+        min_length=1, description="File whose first line is the user's password ('~' expands)."
+    )
+
+
+class RedisUsers(_Strict):
+    """Each role's Redis user (:mod:`cluster.redis_auth`: least privilege per role)."""
+
+    ingress: RedisUser = Field(
+        description="The ingress's: reads the index and keys, writes the rate-limit buckets."
+    )
+    prefill: RedisUser = Field(description="The prefill replicas': read and write the index.")
+
+
 class IndexConfig(_Strict):
     """The global prefix index the router consults (fed by the prefill engines' KV events)."""
+
+    # a refused redis_url may hold a password: errors must not echo it
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
     backend: Literal["memory", "redis", "none"] = Field(
         default="memory",
@@ -715,18 +745,51 @@ class IndexConfig(_Strict):
         "by lookups (a backstop: Serve's replica set already filters crashed replicas).",
     )
     heartbeat_s: float = Field(default=1.0, gt=0, le=600, description="Feed heartbeat period (s).")
+    redis_users: RedisUsers | None = Field(
+        default=None,
+        description="Redis ACL users per role, passwords in files (pdserve redis-users writes "
+        "them, with the ACL file for redis-server). null: Redis without authentication (a "
+        "private Redis on loopback only).",
+    )
+    redis_ca_file: str | None = Field(
+        default=None,
+        description="CA certificate that signed the server's, for a rediss:// URL (null: the "
+        "system's CAs).",
+    )
 
-    def cluster_config(self, app: str, socket_timeout_s: float | None = None) -> Any:
+    def redis_credentials(self, role: Literal["ingress", "prefill"]) -> Any:
+        """:class:`cluster.redis_auth.RedisCredentials` of ``role`` (its password read now,
+        from its file); a ``ValueError`` naming the file when it cannot be read."""
+        from cluster.redis_auth import RedisCredentials, read_password
+
+        ca = str(Path(self.redis_ca_file).expanduser()) if self.redis_ca_file else None
+        if self.redis_users is None:
+            return RedisCredentials(ca_file=ca)
+        user: RedisUser = getattr(self.redis_users, role)
+        return RedisCredentials(user.username, read_password(user.password_file), ca)
+
+    def cluster_config(
+        self,
+        app: str,
+        socket_timeout_s: float | None = None,
+        role: Literal["ingress", "prefill"] = "ingress",
+    ) -> Any:
         """The :class:`cluster.index.IndexConfig` of the prefill pool of Serve app ``app``
-        (every reader and writer of one app's index must use this one namespace)."""
+        (every reader and writer of one app's index must use this one namespace), with
+        ``role``'s Redis credentials when the backend is Redis."""
         from cluster.index import IndexConfig as ClusterIndexConfig
 
+        creds = {}
+        if self.backend == "redis":
+            c = self.redis_credentials(role)
+            creds = {"username": c.username, "password": c.password, "ca_file": c.ca_file}
         cfg = ClusterIndexConfig(
             backend="redis" if self.backend == "redis" else "memory",
             redis_url=self.redis_url,
             app=app,
             deployment="prefill",
             liveness_ttl_s=self.liveness_ttl_s,
+            **creds,
         )
         if socket_timeout_s is not None:
             cfg = cfg.model_copy(update={"socket_timeout_s": socket_timeout_s})
@@ -735,8 +798,19 @@ class IndexConfig(_Strict):
     @field_validator("redis_url")
     @classmethod
     def _url(cls, v: str) -> str:
+        from urllib.parse import urlsplit
+
         if not v.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"{v!r} is not a redis://, rediss:// or unix:// URL")
+        try:
+            password = urlsplit(v).password
+        except ValueError:
+            raise ValueError("not a valid URL") from None
+        if password is not None or "password=" in v:
+            raise ValueError(
+                "holds a password, which would sit in the config (and Serve's args, a "
+                "ConfigMap) in the clear: put it in a file and name it in index.redis_users"
+            )
         return v
 
 
@@ -809,6 +883,10 @@ class ObservabilityConfig(_Strict):
 
 class AppConfig(_Strict):
     """The whole prefill/decode application."""
+
+    # errors name the field and say why, but never echo the value: a refused value may be a
+    # secret (a Redis URL with its password) and errors go to logs and Serve's status
+    model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
     mode: Literal["pd", "colocated"] = Field(
         default="pd",
@@ -1080,6 +1158,30 @@ def replica_ports(
     return ReplicaPorts(host, nixl, ev, replay)
 
 
+def kv_events_ipc_dir() -> Path:
+    """This node's folder of KV-event sockets (``ipc`` transport): one per user, mode 0700,
+    so no other user of the node can connect to a replica's events."""
+    import tempfile
+
+    d = Path(tempfile.gettempdir()) / f"pdserve-kv-{os.getuid()}"
+    d.mkdir(mode=0o700, exist_ok=True)
+    d.chmod(0o700)
+    return d
+
+
+def kv_events_launch(cfg: AppConfig, role: Role, ports: ReplicaPorts) -> KVEventsLaunch | None:
+    """Where replica ``ports`` of ``role`` publishes its KV events (None: it does not)."""
+    e = cfg.engine(role)
+    if ports.kv_events is None:
+        return None
+    return KVEventsLaunch(
+        port=ports.kv_events,
+        replay_port=ports.kv_replay,
+        topic=e.kv_events.topic,
+        ipc_dir=str(kv_events_ipc_dir()) if e.kv_events.transport == "ipc" else None,
+    )
+
+
 def engine_launch(cfg: AppConfig, role: Role, ports: ReplicaPorts) -> EngineLaunch:
     """The :class:`engines.launch.EngineLaunch` of one replica of ``role``.
 
@@ -1117,11 +1219,5 @@ def engine_launch(cfg: AppConfig, role: Role, ports: ReplicaPorts) -> EngineLaun
             buffer_device=e.kv_buffer_device,
             fault_injection=e.fault_injection,
         ),
-        kv_events=(
-            KVEventsLaunch(
-                port=ports.kv_events, replay_port=ports.kv_replay, topic=e.kv_events.topic
-            )
-            if ports.kv_events is not None
-            else None
-        ),
+        kv_events=kv_events_launch(cfg, role, ports),
     )

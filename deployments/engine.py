@@ -659,6 +659,8 @@ class EngineReplica:
         self._twp_events = CounterPublisher("pdserve_twp_events")
         self._feed_events = CounterPublisher("pdserve_index_feed_events")
         launch = engine_launch(self.cfg, role, self.ports)
+        #: where this replica publishes its KV events (made once: its ipc folder, its ports)
+        self._kv_launch = launch.kv_events
         loggers = [make_counter_logger(self.counters, role), *_vllm_metrics_loggers()]
         self.runtime = launch.runtime
         self.engine: InProcessEngine | AsyncLLMEngine
@@ -717,7 +719,7 @@ class EngineReplica:
         """Redis: the app's shared index; memory: a scratch one only the start-up probe reads."""
         from cluster.index import make_index
 
-        return make_index(self.cfg.index.cluster_config(self.app_name))
+        return make_index(self.cfg.index.cluster_config(self.app_name, role="prefill"))
 
     async def _check_hashes_and_feed(self) -> None:
         """Probe this engine's block hashes against ours; with Redis, keep feeding them."""
@@ -762,14 +764,21 @@ class EngineReplica:
     async def _follow(self, feed: Any, mode: Any) -> None:
         from cluster.events import tracker_for
 
-        replay = self.ports.kv_replay
+        pub, replay = self._kv_endpoints("127.0.0.1")
+        assert pub is not None
         await feed.add_replica(
             self.replica_id,
-            f"tcp://127.0.0.1:{self.ports.kv_events}",
-            replay_endpoint=f"tcp://127.0.0.1:{replay}" if replay else None,
+            pub,
+            replay_endpoint=replay,
             tracker=tracker_for(mode, self.cfg.hashing.block_size),
             topic=self.cfg.prefill.kv_events.topic,
         )
+
+    def _kv_endpoints(self, host: str) -> tuple[str | None, str | None]:
+        """Where a feed connects to this replica's KV events (``host``: its node's address,
+        for the TCP transport); ``(None, None)`` when it publishes none."""
+        launch = self._kv_launch
+        return launch.endpoints(host) if launch is not None else (None, None)
 
     # -- calls ---------------------------------------------------------------------------
     async def prefill(self, req: EngineRequest) -> EngineChunk:
@@ -1210,8 +1219,8 @@ class EngineReplica:
             "wedged": self.wedged() is not None,
             "role": self.role,
             "replica_id": self.replica_id,
-            "kv_events": f"tcp://{p.host}:{p.kv_events}" if p.kv_events else None,
-            "kv_replay": f"tcp://{p.host}:{p.kv_replay}" if p.kv_replay else None,
+            "kv_events": self._kv_endpoints(p.host)[0],
+            "kv_replay": self._kv_endpoints(p.host)[1],
             "kv_topic": self.cfg.engine(self.role).kv_events.topic,
             "hash_mode": self.hash_mode,
             "requests": self.requests,

@@ -2211,6 +2211,7 @@ def _tenancy(cfg: AppConfig, app: str) -> tuple[KeyStore, RateLimiter]:
             decode_responses=True,
             socket_timeout=timeout,
             socket_connect_timeout=timeout,
+            **cfg.index.redis_credentials("ingress").client_kwargs(),
         )
     hashes = {hash_key(k): v for k, v in cfg.ingress.api_keys.items()}
     hashes.update(t.key_hashes)

@@ -28,15 +28,45 @@ from pathlib import Path
 ALLOCATORS: tuple[str, ...] = ("jemalloc", "system")
 
 
-def local_env() -> dict[str, str]:
-    """This environment, with Ray's auth and usage stats off and Hugging Face offline unless
-    already set."""
+def local_env(insecure: bool = False) -> dict[str, str]:
+    """This environment, with Ray's token authentication on (``insecure``: off), usage stats
+    off and Hugging Face offline unless already set."""
     env = dict(os.environ)
-    env.setdefault("RAY_AUTH_MODE", "disabled")
+    if insecure:
+        env["RAY_AUTH_MODE"] = "disabled"
+    else:
+        env.setdefault("RAY_AUTH_MODE", "token")
     env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
     return env
+
+
+def ray_token_path(env: dict[str, str]) -> Path | None:
+    """Where Ray's processes and CLIs started with ``env`` read the cluster token: Ray's own
+    rule (``RAY_AUTH_TOKEN`` itself, else the file ``RAY_AUTH_TOKEN_PATH``, else
+    ``~/.ray/auth_token``); None when the token is given in the environment itself."""
+    if env.get("RAY_AUTH_TOKEN"):
+        return None
+    return Path(env.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token").expanduser()
+
+
+def ensure_ray_token(env: dict[str, str]) -> Path | None:
+    """Make the cluster token where :func:`ray_token_path` says, when it is missing (Ray's own
+    generator, mode 0600), so a head started with ``env`` and every ``ray``/``serve`` command
+    of its user find it; its path (None: given in the environment)."""
+    path = ray_token_path(env)
+    if path is None or path.exists():
+        return path
+    from ray._private.authentication.authentication_token_generator import (
+        generate_new_authentication_token,
+    )
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(generate_new_authentication_token())
+    return path
 
 
 def venv_bin(name: str) -> str:

@@ -83,13 +83,33 @@ class KVTransfer(_Strict):
 
 
 class KVEventsLaunch(_Strict):
-    """Where the engine publishes its KV-cache events (it binds; feeds connect)."""
+    """Where the engine publishes its KV-cache events (it binds; feeds connect).
 
-    port: int = Field(ge=1024, le=65535, description="ZMQ PUB port (bound on all interfaces).")
+    With ``ipc_dir`` (the default transport) the sockets are Unix sockets in that folder
+    (``kv-<port>.pub``, ``kv-<replay_port>.replay``: the numbers only name them), which only
+    processes of this node, and only the folder's owner, can reach. Without it they are TCP
+    ports bound on every interface (vLLM binds a PUB socket only for a ``*`` endpoint): who may
+    connect is then the network policy's to say."""
+
+    port: int = Field(ge=1024, le=65535, description="ZMQ PUB port, or the name of its socket.")
     replay_port: int | None = Field(
         default=None, ge=1024, le=65535, description="ZMQ ROUTER port for replays; None: none."
     )
     topic: str = Field(default="kv-events", description="Topic of the event frames.")
+    ipc_dir: str | None = Field(
+        default=None, description="Folder of the Unix sockets (ipc://); None: TCP ports."
+    )
+
+    def endpoints(self, host: str = "127.0.0.1") -> tuple[str, str | None]:
+        """``(publisher, replay)`` addresses a feed connects to (``host``: this node's, for
+        TCP)."""
+        if self.ipc_dir is not None:
+            replay = f"ipc://{self.ipc_dir}/kv-{self.replay_port}.replay"
+            return f"ipc://{self.ipc_dir}/kv-{self.port}.pub", (
+                replay if self.replay_port else None
+            )
+        rep = f"tcp://{host}:{self.replay_port}" if self.replay_port else None
+        return f"tcp://{host}:{self.port}", rep
 
     @model_validator(mode="after")
     def _distinct(self) -> KVEventsLaunch:
@@ -99,14 +119,19 @@ class KVEventsLaunch(_Strict):
 
     def vllm_config(self) -> dict[str, Any]:
         """vLLM's ``kv_events_config`` (bind endpoints contain ``*``: vLLM binds only then)."""
+        if self.ipc_dir is not None:  # vLLM binds ipc:// endpoints as they are
+            pub, replay = self.endpoints()
+        else:
+            pub = f"tcp://*:{self.port}"
+            replay = f"tcp://*:{self.replay_port}" if self.replay_port else None
         cfg: dict[str, Any] = {
             "enable_kv_cache_events": True,
             "publisher": "zmq",
-            "endpoint": f"tcp://*:{self.port}",
+            "endpoint": pub,
             "topic": self.topic,
         }
-        if self.replay_port is not None:
-            cfg["replay_endpoint"] = f"tcp://*:{self.replay_port}"
+        if replay is not None:
+            cfg["replay_endpoint"] = replay
         return cfg
 
 

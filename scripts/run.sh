@@ -8,7 +8,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
+# the local Ray head runs Ray's token authentication (the token in ~/.ray/auth_token, where
+# `ray` and `serve` find it); `pdserve up --insecure` would start one without
 .venv/bin/pdserve up --config configs/pd_default.yaml
 
 echo "== curl /v1/completions"

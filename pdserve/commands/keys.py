@@ -34,13 +34,52 @@ app.add_typer(keys_app, name="keys")
 _FILE = typer.Option(None, "--file", help="Keys file (tenants.keys_file).")
 _REDIS = typer.Option(None, "--redis", help="redis:// URL (tenants.keys_in_redis).")
 _APP = typer.Option("pdserve", "--app", help="Serve application name (the Redis namespace).")
+_REDIS_USER = typer.Option(
+    None, "--redis-user", envvar="PDSERVE_REDIS_USER", help="Redis ACL user (the operator's)."
+)
+_REDIS_PASSWORD_FILE = typer.Option(
+    None,
+    "--redis-password-file",
+    envvar="PDSERVE_REDIS_PASSWORD_FILE",
+    help="File holding that user's password (pdserve redis-users writes admin.password).",
+)
+_REDIS_CA = typer.Option(
+    None, "--redis-ca-file", help="CA of the server's certificate (rediss://)."
+)
+
+#: the Redis credentials of this invocation (set by the store's options)
+_CREDS: dict[str, Any] = {}
+
+
+@keys_app.callback()
+def _keys_options(
+    redis_user: str | None = _REDIS_USER,
+    redis_password_file: Path | None = _REDIS_PASSWORD_FILE,
+    redis_ca_file: Path | None = _REDIS_CA,
+) -> None:
+    """Tenants' API keys (stored hashed, in a keys file or Redis)."""
+    from cluster.redis_auth import RedisCredentials, read_password
+
+    try:
+        pw = read_password(redis_password_file) if redis_password_file else None
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--redis-password-file") from None
+    _CREDS["creds"] = RedisCredentials(
+        redis_user, pw, str(redis_ca_file) if redis_ca_file else None
+    )
 
 
 def _redis_call(url: str, fn: Any) -> Any:
     import redis.asyncio as aioredis
 
+    from cluster.redis_auth import RedisCredentials
+
+    creds = _CREDS.get("creds") or RedisCredentials()
+
     async def main() -> Any:
-        r = aioredis.Redis.from_url(url, decode_responses=True, socket_connect_timeout=5)
+        r = aioredis.Redis.from_url(
+            url, decode_responses=True, socket_connect_timeout=5, **creds.client_kwargs()
+        )
         try:
             return await fn(r)
         finally:

@@ -23,7 +23,7 @@ from typing import Any
 
 import typer
 
-from deployments.local import local_env, venv_bin, with_allocator
+from deployments.local import ensure_ray_token, local_env, venv_bin, with_allocator
 from pdserve.apps import app, bench_app
 
 DEFAULT_CONFIG = Path("configs/pd_default.yaml")
@@ -33,8 +33,8 @@ def _bin(name: str) -> str:
     return venv_bin(name)
 
 
-def _env() -> dict[str, str]:
-    return local_env()
+def _env(insecure: bool = False) -> dict[str, str]:
+    return local_env(insecure)
 
 
 def _ray_running(env: dict[str, str]) -> bool:
@@ -80,8 +80,19 @@ def up(
         "proxy's freed memory: 18% growth under the soak) or system. A running head keeps "
         "its own.",
     ),
+    insecure: bool = typer.Option(
+        False,
+        "--insecure",
+        help="Start the local Ray head WITHOUT token authentication: anyone who reaches its "
+        "ports (the GCS binds every interface) can then run code on it. Off by default.",
+    ),
 ) -> None:
-    """Bring the prefill/decode app up on a local Ray cluster and wait until it serves."""
+    """Bring the prefill/decode app up on a local Ray cluster and wait until it serves.
+
+    The head runs Ray's token authentication (``RAY_AUTH_MODE=token``): the token is made in
+    ``~/.ray/auth_token`` (or where ``RAY_AUTH_TOKEN_PATH`` says) when missing, where Ray's
+    ``ray`` and ``serve`` commands find it, so ``serve status`` and ``serve deploy`` keep
+    working for the user who started it."""
     import yaml
 
     from deployments.app import ensure_model
@@ -89,8 +100,14 @@ def up(
 
     if not config.exists():
         raise typer.BadParameter(f"{config} does not exist", param_hint="--config")
+    if not insecure and os.environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
+        raise typer.BadParameter(
+            "RAY_AUTH_MODE=disabled is set: unset it (the local head runs Ray's token "
+            "authentication) or pass --insecure to start one without it",
+            param_hint="--insecure",
+        )
     try:
-        head_env = with_allocator(_env(), allocator)
+        head_env = with_allocator(_env(insecure), allocator)
     except (ValueError, FileNotFoundError) as e:
         raise typer.BadParameter(str(e), param_hint="--allocator") from e
     raw = yaml.safe_load(config.read_text())
@@ -102,8 +119,14 @@ def up(
             raise typer.BadParameter(str(e), param_hint="--config") from None
         ensure_model(cfg)  # builds once
         if cfg.index.backend == "redis":
-            _ensure_local_redis(cfg.index.redis_url, _redis_dir())
-    env = _env()
+            _ensure_local_redis(cfg.index.redis_url, _redis_dir(), cfg.index.redis_users)
+    env = _env(insecure)
+    if not insecure:
+        where = ensure_ray_token(env)
+        typer.echo(
+            "pdserve: Ray token authentication on (token: "
+            f"{where or 'RAY_AUTH_TOKEN'}; --insecure turns it off)"
+        )
     if not _ray_running(env):
         metrics_port = _port_or_free(metrics_port)
         typer.echo(
@@ -150,11 +173,18 @@ def _port_or_free(port: int) -> int:
     return free
 
 
-def _ensure_local_redis(url: str, workdir: Path) -> None:
-    """Start a redis-server for ``url`` when it names this machine and none answers there."""
+#: the memory bound of a Redis ``up`` starts (MiB; only the index is ever evicted)
+LOCAL_REDIS_MAXMEMORY_MB = 256
+
+
+def _ensure_local_redis(url: str, workdir: Path, users: Any = None) -> None:
+    """Start a redis-server for ``url`` when it names this machine and none answers there:
+    on loopback only, bounded in memory, and with ``users`` (``index.redis_users``) its ACL
+    users, the default user off. Their password files are made (random passwords, mode
+    0600, an ``admin.password`` beside them for ``pdserve keys --redis``) when missing."""
     from urllib.parse import urlparse
 
-    from cluster.redis_server import ping, start_redis_daemon
+    from cluster.redis_server import ping, secured_args, start_redis_daemon
 
     u = urlparse(url)
     port = u.port or 6379
@@ -168,8 +198,36 @@ def _ensure_local_redis(url: str, workdir: Path) -> None:
         )
     if ping(port):
         return
-    typer.echo(f"pdserve: starting redis-server on 127.0.0.1:{port} (index.redis_url)")
-    start_redis_daemon(port, workdir)
+    acl = _local_redis_users(users, workdir) if users is not None else None
+    typer.echo(
+        f"pdserve: starting redis-server on 127.0.0.1:{port} (index.redis_url"
+        + (", ACL users from index.redis_users)" if acl else ", no authentication)")
+    )
+    start_redis_daemon(port, workdir, extra=secured_args(acl, LOCAL_REDIS_MAXMEMORY_MB))
+
+
+def _local_redis_users(users: Any, workdir: Path) -> Path:
+    """The ACL file of ``users`` (``index.redis_users``) for a local Redis, their password
+    files made first when missing; its path."""
+    from cluster.redis_auth import acl_file, new_passwords, read_password, write_private
+
+    files = {
+        "ingress": Path(users.ingress.password_file).expanduser(),
+        "prefill": Path(users.prefill.password_file).expanduser(),
+    }
+    files["admin"] = files["ingress"].parent / "admin.password"
+    if not all(f.exists() for f in files.values()):
+        fresh = new_passwords()
+        for role, f in files.items():
+            write_private(f, fresh[role] + "\n")
+        typer.echo(f"pdserve: made Redis passwords in {files['ingress'].parent} (mode 0600)")
+    names = {"ingress": users.ingress.username, "prefill": users.prefill.username}
+    passwords = {role: read_password(f) for role, f in files.items()}
+    text = acl_file(passwords)
+    for role, name in names.items():  # the config may name the users otherwise
+        text = text.replace(f"user {role} on", f"user {name} on")
+    workdir.mkdir(parents=True, exist_ok=True)
+    return write_private(workdir / "users.acl", text)
 
 
 @app.command("down")
@@ -490,7 +548,7 @@ def bench_pd(
     from bench.pd_bench import run
     from pdserve.output import table, write_json
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_AUTH_MODE", "token")  # as `pdserve up` starts a head
     res = run(
         url,
         requests=requests,

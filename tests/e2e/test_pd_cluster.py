@@ -37,7 +37,13 @@ AUTH = {"Authorization": f"Bearer {KEY}"}
 BLOCK = 128
 
 
-def cluster_args(model_dir: Path, cache_dir: Path, backend: str, redis_url: str | None) -> Any:
+def cluster_args(
+    model_dir: Path,
+    cache_dir: Path,
+    backend: str,
+    redis_url: str | None,
+    redis_users: dict[str, Any] | None = None,
+) -> Any:
     return {
         "model": {"path": str(model_dir), "build_preset": None, "max_model_len": 2048},
         "cache_dir": str(cache_dir),
@@ -54,7 +60,12 @@ def cluster_args(model_dir: Path, cache_dir: Path, backend: str, redis_url: str 
         },
         "decode": {"num_cpus": 1.0, "cpu_bind": "1", **shipped_engine("decode")},
         "ingress": {"num_replicas": 2 if backend == "redis" else 1, "num_cpus": 0.25},
-        "index": {"backend": backend, **({"redis_url": redis_url} if redis_url else {})},
+        "index": {
+            "backend": backend,
+            **({"redis_url": redis_url} if redis_url else {}),
+            # each role on its own least-privilege ACL user (cluster.redis_auth)
+            **({"redis_users": redis_users} if redis_users else {}),
+        },
         # every call sends KEY; the "limited" tenant's bucket is shared by both ingress replicas
         "tenants": {
             "key_hashes": {hash_key(KEY): "cluster", hash_key(LIMITED_KEY): "limited"},
@@ -79,8 +90,14 @@ def cluster(
     from deployments.app import build_app
 
     backend = str(request.param)
-    redis_url = request.getfixturevalue("redis_url") if backend == "redis" else None
-    args = cluster_args(tiny_model_dir, tmp_path_factory.mktemp("cluster"), backend, redis_url)
+    secured = request.getfixturevalue("secured_redis") if backend == "redis" else None
+    args = cluster_args(
+        tiny_model_dir,
+        tmp_path_factory.mktemp("cluster"),
+        backend,
+        secured["url"] if secured else None,
+        secured["users"] if secured else None,
+    )
     app = {"url": serve_url, "backend": backend}
     with only_app(APP):
         serve.run(build_app(args), name=APP, route_prefix="/", blocking=False)

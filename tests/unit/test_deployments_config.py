@@ -190,8 +190,17 @@ def test_engine_launch_per_role() -> None:
     assert p["kv_transfer_config"]["kv_role"] == "kv_producer"
     assert d["kv_transfer_config"]["kv_role"] == "kv_consumer"
     assert d["kv_transfer_config"]["kv_load_failure_policy"] == "recompute"
-    assert p["kv_events_config"]["endpoint"] == f"tcp://*:{pp.kv_events}"
-    assert p["kv_events_config"]["replay_endpoint"] == f"tcp://*:{pp.kv_replay}"
+    # KV events on Unix sockets by default: no port, this node's user only
+    from deployments.config import kv_events_ipc_dir
+
+    folder = kv_events_ipc_dir()
+    assert p["kv_events_config"]["endpoint"] == f"ipc://{folder}/kv-{pp.kv_events}.pub"
+    assert p["kv_events_config"]["replay_endpoint"] == f"ipc://{folder}/kv-{pp.kv_replay}.replay"
+    assert folder.stat().st_mode & 0o777 == 0o700
+    tcp = AppConfig.model_validate({"prefill": {"num_cpus": 1, "kv_events": {"transport": "tcp"}}})
+    t = engine_args(engine_launch(tcp, "prefill", pp))
+    assert t["kv_events_config"]["endpoint"] == f"tcp://*:{pp.kv_events}"
+    assert t["kv_events_config"]["replay_endpoint"] == f"tcp://*:{pp.kv_replay}"
     assert "scheduler_cls" not in p
     env = launch_env(engine_launch(cfg, "prefill", pp))
     assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(pp.nixl)
