@@ -133,3 +133,42 @@ def test_fuzzing_as_the_operator_and_as_a_tenant_gets_no_5xx_and_keeps_them_apar
     assert tenant.server_errors == 0, tenant.failures[:3]
     assert ops(tenant, lambda p: p.startswith("/v1/pdserve/")) == {403}
     assert ops(tenant, tenants) & {200}
+
+
+CONNECT = (
+    "import sys, ray\n"
+    "try:\n"
+    "    ray.init(address=sys.argv[1], log_to_driver=False)\n"
+    "except Exception as e:\n"
+    "    print('REFUSED', type(e).__name__); sys.exit(3)\n"
+    "print('CONNECTED', int(ray.cluster_resources().get('CPU', 0)))\n"
+)
+
+
+def _driver(address: str, **env: str) -> Any:
+    import os
+    import subprocess
+    import sys
+
+    e = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH")} | env
+    return subprocess.run(
+        [sys.executable, "-c", CONNECT, address], env=e, capture_output=True, text=True,
+        timeout=180,
+    )  # fmt: skip
+
+
+def test_a_driver_without_the_clusters_token_is_refused_while_the_app_serves(
+    pd_app: dict[str, Any], ray_cluster: dict[str, Any]
+) -> None:
+    """The suite's cluster runs Ray's token authentication, as ``pdserve up`` starts a head:
+    a driver with another token, or with none, cannot join it (and so cannot run code on
+    it) while the app serves; one with the cluster's token can."""
+    address = ray_cluster["address"]
+    ok = _driver(address, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=ray_cluster["token_path"])
+    assert ok.returncode == 0 and "CONNECTED 8" in ok.stdout, ok.stderr[-2000:]
+    wrong = _driver(address, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="not-the-token")
+    assert wrong.returncode == 3 and "REFUSED" in wrong.stdout, wrong.stdout + wrong.stderr[-800:]
+    none = _driver(address, RAY_AUTH_MODE="disabled")
+    assert none.returncode == 3 and "REFUSED" in none.stdout, none.stdout + none.stderr[-800:]
+    r = httpx.get(f"{pd_app['url']}/health", timeout=30)
+    assert r.status_code == 200  # the app served throughout
