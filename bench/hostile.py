@@ -29,6 +29,20 @@ import httpx
 HEAVY_TEMPLATE = (
     "{% for i in range(99999) %}{% for j in range(99999) %}{{ '' }}{% endfor %}{% endfor %}"
 )
+#: the attacker's and the flooder's limits (tenants.by_name), as a real tenant would have them:
+#: the bench's app and the live suite's both give them these
+ATTACKER_LIMITS: dict[str, Any] = {
+    "requests_per_second": 20,
+    "burst_requests": 60,
+    "tokens_per_minute": 60_000,
+    "max_context_tokens": 512,
+    "max_tokens": 64,
+}
+FLOOD_LIMITS: dict[str, Any] = {
+    "requests_per_second": 5,
+    "burst_requests": 10,
+    "tokens_per_minute": 20_000,
+}
 VICTIM_PROMPT = " ".join(f"victim{i % 53} note {i}" for i in range(60))
 ATTACK_PROMPT = " ".join(f"w{i % 97}" for i in range(400))  # over a 512-token context
 SHORT_PROMPT = " ".join(f"w{i % 97}" for i in range(60))  # well under it

@@ -1927,6 +1927,11 @@ class IngressCore:
         task.add_done_callback(self._background.discard)
 
     async def _send_release(self, rel: EngineRequest) -> None:
+        # a task of its own, made while serving the request: its call must not share that
+        # request's Serve id with the other prompts' releases (a batch releases several at
+        # once), which Serve's and our routers' bookkeeping are keyed by (seen: the second
+        # release never completed and every later prefill call waited 10-30 s to be placed)
+        _own_serve_request_id()
         call = None
         try:
             call = self.prefill.release_kv.remote(rel)

@@ -20,6 +20,7 @@ def hostile_config(base: Path, out: Path) -> tuple[Path, dict[str, str]]:
     Returns the new YAML's path and the keys by role."""
     import yaml
 
+    from bench.hostile import ATTACKER_LIMITS, FLOOD_LIMITS
     from cluster.tenants import OPERATOR, hash_key, new_key, write_keys_file
 
     raw = yaml.safe_load(base.read_text())
@@ -37,14 +38,8 @@ def hostile_config(base: Path, out: Path) -> tuple[Path, dict[str, str]]:
         "default": {"requests_per_second": 20, "tokens_per_minute": 1_000_000},
         "by_name": {
             "victim": {"requests_per_second": None, "tokens_per_minute": None},
-            "mallory": {
-                "requests_per_second": 20,
-                "burst_requests": 60,
-                "tokens_per_minute": 60_000,
-                "max_context_tokens": 512,
-                "max_tokens": 64,
-            },
-            "flood": {"requests_per_second": 5, "burst_requests": 10, "tokens_per_minute": 20_000},
+            "mallory": dict(ATTACKER_LIMITS),
+            "flood": dict(FLOOD_LIMITS),
         },
     }
     path = out / "hostile.yaml"

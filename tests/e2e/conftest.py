@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from bench.hostile import ATTACKER_LIMITS, FLOOD_LIMITS
 from tests.fixtures.ray_cluster import free_port
 
 APP = "pdserve"
@@ -78,19 +79,9 @@ def pd_args(model_dir: Path, cache_dir: Path) -> dict[str, Any]:
                 "dave": {"cache_group": "acme", "max_tokens": 4},
                 # fuzzed requests stay small: a few tokens out, short prompts
                 "fuzz": {"max_tokens": 4, "max_context_tokens": 256},
-                # the attacker: limited, as a real tenant would be (bench.hostile's limits)
-                "mallory": {
-                    "requests_per_second": 20,
-                    "burst_requests": 60,
-                    "tokens_per_minute": 60_000,
-                    "max_context_tokens": 512,
-                    "max_tokens": 64,
-                },
-                "flood": {
-                    "requests_per_second": 5,
-                    "burst_requests": 10,
-                    "tokens_per_minute": 20_000,
-                },
+                # the attacker and the flooder: limited as a real tenant would be
+                "mallory": dict(ATTACKER_LIMITS),
+                "flood": dict(FLOOD_LIMITS),
             },
         },
     }

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.conftest import OP_AUTH
+from tests.e2e.conftest import OP_AUTH, wait_until
 
 pytestmark = [
     pytest.mark.slow,
@@ -245,6 +245,7 @@ def test_a_batch_of_prompts_is_served_prompt_by_prompt(pd_app: dict[str, Any]) -
     (a batch with echo, logprobs and max_tokens 0) answers every prompt back with its
     prompt logprobs."""
     c = client(pd_app)
+    released = stats(pd_app)["ingress"]["kv_released"]
     prompts = ["one two three", LONG_PROMPT + " batch"]
     kw: dict[str, Any] = {"max_tokens": 4, "temperature": 0, "extra_body": {"ignore_eos": True}}
     r = c.completions.create(model="test", prompt=prompts, **kw)
@@ -270,6 +271,15 @@ def test_a_batch_of_prompts_is_served_prompt_by_prompt(pd_app: dict[str, Any]) -
     for x in ch:
         lps = x["logprobs"]["token_logprobs"]
         assert lps[0] is None and all(isinstance(v, float) for v in lps[1:]) and len(lps) > 1
+
+    # no decode takes the echo's prefill KV: each prompt's is released at once, each release
+    # completes (a batch's releases once shared one Serve request id: the second never did,
+    # and every later prefill call waited 10-30 s to be placed)
+    def all_freed() -> bool:
+        now = stats(pd_app)["ingress"]["kv_released"]
+        return now["sent"] >= released["sent"] + 2 and now["freed"] == now["sent"]
+
+    wait_until(all_freed, "the echo batch's prefill KV released", 30)
 
 
 @pytest.mark.parametrize(
