@@ -363,6 +363,10 @@ def run(
     names = ["alone", *[a.name for a in attacks], "alone_again"]
     phases: list[Phase] = []
     bar = tqdm(total=len(names) * streams * per_stream, desc="hostile (live)", disable=not progress)
+    warm = Phase("warm_up")  # discarded: the first requests after start-up run slow
+    with ThreadPoolExecutor(streams) as pool:
+        list(pool.map(lambda _: warm.streams.append(victim_stream(url, keys["victim"])),
+                      range(2 * streams)))  # fmt: skip
     for name in names:
         attack = next((a for a in attacks if a.name == name), None)
         phase = Phase(name)
