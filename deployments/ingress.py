@@ -652,6 +652,7 @@ class IngressCore:
                 task.add_done_callback(self._background.discard)
 
     async def _sync_loop(self, period_s: float = 0.2) -> None:
+        _own_serve_request_id(detach=True)  # started from a request, outlives it
         while True:
             await self.sync_index()
             if self.cfg.ingress.warm_up and not self.colocated:
@@ -861,6 +862,9 @@ class IngressCore:
         return resp
 
     async def _check_health(self) -> JSONResponse:
+        # shared by every probe that comes while it runs: none of them owns its calls (the
+        # first one's time-out would have Serve cancel them under the others)
+        _own_serve_request_id(detach=True)
         t = self.cfg.ingress.health_timeout_s
         status: dict[str, Any] = {}
         roles = (
@@ -945,7 +949,11 @@ class IngressCore:
 
     async def _warm_pair(self, p: str, d: str) -> None:
         """One request of two KV blocks, prefilled on ``p`` and decoded on ``d`` (pinned)
-        under a salt of its own, so ``d`` pulls it over NIXL instead of finding it cached."""
+        under a salt of its own, so ``d`` pulls it over NIXL instead of finding it cached.
+        Its calls carry an id of their own, detached from the request (a /health probe) that
+        started the warm-up: a probe's time-out must not cancel them, and one pair's calls must
+        not share an id with the next pair's."""
+        _own_serve_request_id(detach=True)
         block = self.cfg.hashing.block_size
         vocab = max(16, len(self.tokenizer.tok) - 1)
         ids = tuple(5 + (k * 7) % (vocab - 5) for k in range(2 * block))
@@ -1931,7 +1939,7 @@ class IngressCore:
         # request's Serve id with the other prompts' releases (a batch releases several at
         # once), which Serve's and our routers' bookkeeping are keyed by (seen: the second
         # release never completed and every later prefill call waited 10-30 s to be placed)
-        _own_serve_request_id()
+        _own_serve_request_id(detach=True)
         call = None
         try:
             call = self.prefill.release_kv.remote(rel)
@@ -2375,11 +2383,15 @@ async def _with_echo_only(
         yield ch
 
 
-def _own_serve_request_id() -> None:
+def _own_serve_request_id(detach: bool = False) -> None:
     """Give the current task's Serve calls an internal request id of their own. A handle call
     made while serving a request inherits that request's id, so the prefill (or decode) calls
     of a batch's prompts would share one id, which Serve's and our routers' bookkeeping are
-    keyed by (seen: the second call never completed). A no-op outside a Serve request."""
+    keyed by (seen: the second call never completed). ``detach``: a task that outlives the
+    request it was started from (readiness checks, warm-ups, KV releases, the sync loop):
+    Serve cancels a request's child calls, keyed by its id, when the request is cancelled (a
+    client's time-out), so those calls must neither carry its id nor be cancelled with it. A
+    no-op outside a Serve request."""
     try:
         from ray.serve import context as serve_context
         from ray.serve._private.utils import generate_request_id
@@ -2387,9 +2399,10 @@ def _own_serve_request_id() -> None:
         return
     cur = serve_context._serve_request_context.get()
     if cur is not None:
-        serve_context._serve_request_context.set(
-            replace(cur, _internal_request_id=generate_request_id())
-        )
+        update: dict[str, Any] = {"_internal_request_id": generate_request_id()}
+        if detach:
+            update["cancel_on_parent_request_cancel"] = False
+        serve_context._serve_request_context.set(replace(cur, **update))
 
 
 async def _own(stream: AsyncIterator[EngineChunk]) -> AsyncIterator[EngineChunk]:
