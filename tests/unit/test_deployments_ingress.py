@@ -115,7 +115,8 @@ def _wire(tiny_model_dir: Path, extra: dict[str, Any]) -> Any:
     from deployments.auth import AuthGuard
     from deployments.config import AppConfig
     from deployments.http_guard import BodyGuard
-    from deployments.ingress import IngressCore, api
+    from deployments.ingress import IngressCore
+    from deployments.ingress.http import api
 
     # no replica directories behind the fakes: readiness without the pair warm-up; no
     # cached readiness (the tests flip the fakes' state and probe at once)
@@ -917,7 +918,8 @@ def test_the_wait_bound_refuses_once_the_engines_hold_more_than_it_in_seconds(
     import time
 
     from deployments.config import AppConfig
-    from deployments.ingress import IngressCore, RequestError
+    from deployments.ingress import IngressCore
+    from deployments.openai_api import RequestError
     from deployments.router_registry import directory
 
     app = "wait-unit"
