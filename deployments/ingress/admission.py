@@ -3,7 +3,7 @@
 In the order a request meets them (:meth:`deployments.ingress.core.IngressCore.complete`):
 
 1. **who** (:meth:`AdmissionPhase.principal`): the key, checked from the headers before the
-   body was read (:class:`deployments.auth.AuthGuard`), which also charged the tenant's
+   body was read (:class:`deployments.ingress.auth.AuthGuard`), which also charged the tenant's
    requests bucket;
 2. **the prefill queue, cheaply** (:meth:`AdmissionPhase.check_queue_room`): before any
    tokenizing, a request is refused while the queue is already at its bound;
@@ -33,12 +33,12 @@ from fastapi import Request
 from cluster.tenants import OPERATOR, Charge, KeyStore, RateLimiter, hash_key
 from controllers.overload import CompletionRate, expected_wait_s, refuse_for
 from controllers.tenants import Bucket
-from deployments.auth import ANONYMOUS, AuthFailures, Gate, Principal, principal_of
-from deployments.auth import configure as configure_gate
 from deployments.config import AppConfig
+from deployments.ingress.auth import ANONYMOUS, AuthFailures, Gate, Principal, principal_of
+from deployments.ingress.auth import configure as configure_gate
+from deployments.ingress.openai_requests import RequestError
 from deployments.ingress.request import Prepared
 from deployments.ingress.state import IngressState
-from deployments.openai_api import RequestError
 from deployments.protocol import RouteHint
 
 if TYPE_CHECKING:
@@ -85,7 +85,7 @@ class AdmissionPhase(IngressState):
         self._overloaded(0, 0)
 
     async def principal(self, request: Request) -> Principal:
-        """Who sent ``request``: what :class:`~deployments.auth.AuthGuard` decided from its
+        """Who sent ``request``: what :class:`~deployments.ingress.auth.AuthGuard` decided from its
         headers before the body was read, or (a caller that came around the guard) the same
         decision taken now. Raises :class:`RequestError` (401, 403, 429, 503)."""
         who = principal_of(request.scope)
@@ -109,7 +109,7 @@ class AdmissionPhase(IngressState):
         """Take the request's prompt plus requested output tokens (``max_tokens x n``) from
         its tenant's tokens bucket, or raise 429 with ``Retry-After`` (400 when it could never
         fit). The requests bucket was charged before the body was read
-        (:class:`~deployments.auth.Gate`)."""
+        (:class:`~deployments.ingress.auth.Gate`)."""
         spec = self._bucket_specs(prep.tenant).get("tokens")
         if spec is None:
             return

@@ -41,7 +41,6 @@ from opentelemetry.trace import Link, SpanKind
 
 from cluster.tenants import TENANT_PATTERN
 from deployments.config import AppConfig, IngressLiveConfig, LiveConfigError, parse_live_config
-from deployments.http_guard import configure as configure_body_guard
 from deployments.ingress.hops import (
     HopsPhase,
     local_prefill,
@@ -51,6 +50,13 @@ from deployments.ingress.hops import (
     own_serve_request_id,
     own_stream,
     prepend,
+)
+from deployments.ingress.http_guard import configure as configure_body_guard
+from deployments.ingress.openai_requests import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    RequestError,
+    is_batch,
 )
 from deployments.ingress.prepare import PreparePhase
 from deployments.ingress.request import Prepared, Tally
@@ -64,7 +70,6 @@ from deployments.ingress.route import Placement, RoutePhase
 from deployments.ingress.stats import finish_span, report
 from deployments.ingress.tokenizer import Tokenizer, model_defaults
 from deployments.ingress.warmup import HealthPhase
-from deployments.openai_api import ChatCompletionRequest, CompletionRequest, RequestError, is_batch
 from deployments.prefix import IndexView
 from deployments.protocol import EngineChunk, RouteHint
 from deployments.router_registry import directory, handle_waits, hold_routing, set_routing

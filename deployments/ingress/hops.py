@@ -23,8 +23,9 @@ from dataclasses import replace
 from typing import Any
 
 from deployments.ingress.admission import AdmissionPhase
+from deployments.ingress.openai_requests import RequestError
+from deployments.ingress.openai_responses import FINISH_REASONS
 from deployments.ingress.request import Prepared
-from deployments.openai_api import FINISH_REASONS, RequestError
 from deployments.protocol import EngineChunk, EngineRefused, EngineRequest, RouteHint, Sampling
 from deployments.telemetry import child, inject, set_attrs
 

@@ -2,9 +2,9 @@
 ingress deployment whose routes hand each request to
 :class:`~deployments.ingress.core.IngressCore`.
 
-Middlewares, outermost first: :class:`~deployments.auth.AuthGuard` (the key, from the
+Middlewares, outermost first: :class:`~deployments.ingress.auth.AuthGuard` (the key, from the
 headers, before the body is read: 401/403/429 cost no parsing) and
-:class:`~deployments.http_guard.BodyGuard` (the body's size and JSON depth). Every error,
+:class:`~deployments.ingress.http_guard.BodyGuard` (the body's size and JSON depth). Every error,
 FastAPI's own included, is OpenAI's envelope with a reason.
 """
 
@@ -19,11 +19,10 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from vllm.exceptions import VLLMClientError
 
-from deployments.auth import AuthGuard
-from deployments.http_guard import BodyGuard
+from deployments.ingress.auth import AuthGuard
 from deployments.ingress.core import IngressCore
-from deployments.ingress.respond import error_response
-from deployments.openai_api import (
+from deployments.ingress.http_guard import BodyGuard
+from deployments.ingress.openai_requests import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -31,6 +30,7 @@ from deployments.openai_api import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from deployments.ingress.respond import error_response
 
 api = FastAPI(title="pdserve", description="OpenAI-compatible prefill/decode serving")
 api.add_middleware(BodyGuard)

@@ -21,15 +21,11 @@ from typing import Any
 from fastapi import Request
 
 from deployments.ingress.admission import AdmissionPhase
-from deployments.ingress.request import Prepared
-from deployments.ingress.respond import error_response
-from deployments.ingress.tokenizer import body_size, contents_of, template_variables, text_of
-from deployments.openai_api import (
+from deployments.ingress.openai_requests import (
     Bounds,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    LogprobFormat,
     RequestError,
     Resolved,
     TokenizeChatRequest,
@@ -41,7 +37,11 @@ from deployments.openai_api import (
     sampling_of,
     single_prompt,
 )
-from deployments.template_sandbox import SandboxBusy, SandboxTimeout, TemplateSandbox
+from deployments.ingress.openai_responses import LogprobFormat
+from deployments.ingress.request import Prepared
+from deployments.ingress.respond import error_response
+from deployments.ingress.template_sandbox import SandboxBusy, SandboxTimeout, TemplateSandbox
+from deployments.ingress.tokenizer import body_size, contents_of, template_variables, text_of
 
 #: the request header by which a client asks for a shorter deadline (seconds)
 TIMEOUT_HEADER = "X-Request-Timeout"

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from controllers.tenants import Bucket
-from deployments.auth import ANONYMOUS
-from deployments.openai_api import LogprobFormat, usage
+from deployments.ingress.auth import ANONYMOUS
+from deployments.ingress.openai_requests import usage
+from deployments.ingress.openai_responses import LogprobFormat
 from deployments.protocol import EngineChunk, RouteHint, Sampling
 
 

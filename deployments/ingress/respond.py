@@ -17,17 +17,17 @@ from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from deployments.ingress.request import Prepared, Tally, endpoint_of
-from deployments.ingress.stats import Records, finish_span
-from deployments.openai_api import (
+from deployments.ingress.openai_requests import RequestError
+from deployments.ingress.openai_responses import (
     ChoiceOut,
-    RequestError,
     chat_logprobs,
     completion_body,
     completion_logprobs,
     prompt_logprobs_json,
     stream_chunk,
 )
+from deployments.ingress.request import Prepared, Tally, endpoint_of
+from deployments.ingress.stats import Records, finish_span
 from deployments.protocol import EngineChunk, TokenLogprob
 
 

@@ -4,7 +4,7 @@ get token ids), and the cheap measures of a request's text taken before any toke
 A request's ``chat_template_kwargs`` reach the model's template only where the template
 reads them (vLLM's rule, :func:`template_variables`); the reserved ones are a 400
 (:data:`RESERVED_TEMPLATE_KWARGS`). A request's own template renders elsewhere
-(:mod:`deployments.template_sandbox`), and only when the operator trusts them.
+(:mod:`deployments.ingress.template_sandbox`), and only when the operator trusts them.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from deployments.openai_api import RequestError, single_prompt
+from deployments.ingress.openai_requests import RequestError, single_prompt
 
 #: ``chat_template_kwargs`` a request may not send: vLLM refuses ``chat_template`` and
 #: ``tokenize`` (the template itself, and whether the call returns text); the others are set
@@ -163,7 +163,7 @@ class Tokenizer:
 
     def special_tokens(self) -> dict[str, Any]:
         """The template variables ``apply_chat_template`` adds (``bos_token``, ...), for a
-        template rendered elsewhere (:mod:`deployments.template_sandbox`)."""
+        template rendered elsewhere (:mod:`deployments.ingress.template_sandbox`)."""
         return {k: v for k, v in self.tok.special_tokens_map.items() if isinstance(v, str)}
 
 

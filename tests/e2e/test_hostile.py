@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from bench.hostile import ATTACKS, Attack, victim_stream
-from deployments.auth import OPEN_PATHS
+from deployments.ingress.auth import OPEN_PATHS
 from tests.e2e.conftest import OP_AUTH, wait_until
 
 pytestmark = [

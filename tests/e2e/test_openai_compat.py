@@ -154,7 +154,7 @@ def test_greedy_with_penalties_equals_one_vllm_engine(pd_app: dict[str, Any]) ->
     engine (no transfer) given the same request, built by vLLM's own to_sampling_params."""
     from transformers import AutoTokenizer
 
-    from deployments.openai_api import CompletionRequest, sampling_of
+    from deployments.ingress.openai_requests import CompletionRequest, sampling_of
     from deployments.protocol import EngineRequest
 
     extra = {

@@ -17,10 +17,10 @@ import pytest
 from fastapi import FastAPI, Request
 
 from controllers.tenants import Bucket, available
-from deployments.auth import AuthGuard
-from deployments.http_guard import BodyGuard
+from deployments.ingress.auth import AuthGuard
 from deployments.ingress.http import api
-from deployments.openai_api import CompletionRequest
+from deployments.ingress.http_guard import BodyGuard
+from deployments.ingress.openai_requests import CompletionRequest
 from deployments.protocol import EngineChunk, EngineRefused, EngineRequest
 from tests.unit.test_deployments_ingress import KV, OP, FakeEngine, _Remote, _wire, auth
 

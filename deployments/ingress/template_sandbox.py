@@ -4,7 +4,7 @@ Only with ``ingress.trust_request_chat_template`` does a request's own ``chat_te
 render at all (off by default, as vLLM's ``--trust-request-chat-template``). Even trusted, a
 template is a program: Jinja's sandbox stops attribute tricks, not loops nested a thousand
 deep or ``'x' * 10**10``, and neither stops in a thread once started. So it renders here: a
-child process (``python -m deployments.template_sandbox``) with an address-space bound
+child process (``python -m deployments.ingress.template_sandbox``) with an address-space bound
 (``resource.RLIMIT_AS``), one job at a time, each within the request's time budget. A job
 that passes its budget kills the child (the next job starts a new one); a job over the memory
 bound fails inside the child and the child lives on. Rendering is HF's own
@@ -62,7 +62,7 @@ class TemplateSandbox:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable,
                 "-m",
-                "deployments.template_sandbox",
+                "deployments.ingress.template_sandbox",
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.DEVNULL,

@@ -37,7 +37,7 @@ from typing import Any
 
 from cluster.tenants import OPERATOR, Charge, KeyStore, KeyStoreUnavailable, RateLimiter
 from controllers.tenants import Bucket, take
-from deployments.openai_api import RequestError
+from deployments.ingress.openai_requests import RequestError
 
 #: the scope key the principal travels under
 PRINCIPAL = "pdserve.principal"
