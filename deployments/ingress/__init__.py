@@ -25,6 +25,18 @@ module              what it holds
 ``docs/design.md`` walks one request through them.
 """
 
-from deployments.ingress.core import IngressCore
+from __future__ import annotations
+
+from typing import Any
 
 __all__ = ["IngressCore"]
+
+
+def __getattr__(name: str) -> Any:
+    """``IngressCore`` on first use: importing a leaf module (the template sandbox's child
+    process runs ``python -m deployments.ingress.template_sandbox``) must not import vLLM."""
+    if name == "IngressCore":
+        from deployments.ingress.core import IngressCore
+
+        return IngressCore
+    raise AttributeError(name)
