@@ -41,6 +41,8 @@ SchedulerName = Literal[
 ]
 SHIPPED_SCHEDULERS: tuple[str, ...] = get_args(SchedulerName)
 HashAlgo = Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
+"""vLLM's ``prefix_caching_hash_algo`` values, as ``cluster.hashing.HashAlgo`` (a unit test keeps
+the two equal: neither layer may import the other)."""
 #: How an engine runs: ``in_process`` (a ``vllm.LLMEngine`` in the caller's process, stepped by
 #: a thread of the caller) or ``async_llm`` (vLLM's ``AsyncLLM``: the engine core in its own
 #: process, as vLLM's server and Ray Serve LLM run it).

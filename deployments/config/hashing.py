@@ -2,20 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field, model_validator
 
-from deployments.config.common import _Strict
-from engines.launch import HashAlgo
+from cluster.hashing import HashConfig
 
 
-class HashingConfig(_Strict):
-    """How KV blocks are hashed: given to every engine and to the ingress alike (one field)."""
+class HashingConfig(HashConfig):
+    """How KV blocks are hashed: given to every engine and to the ingress alike (one field).
 
-    algo: HashAlgo = Field(
-        default="sha256", description="vLLM's prefix_caching_hash_algo, on every engine."
-    )
+    The hasher's parameters (``algo``, ``block_size``, ``seed``) are
+    :class:`cluster.hashing.HashConfig`'s, defined there once; the section narrows them to what
+    a deployment can give its engines (a seed by default, since every engine gets one as its
+    ``PYTHONHASHSEED``; a block size vLLM takes) and adds ``on_mismatch``.
+    """
+
     seed: str | None = Field(
         default="0",
         pattern=r"^\d{1,10}$",
@@ -33,7 +35,9 @@ class HashingConfig(_Strict):
     )
 
     @model_validator(mode="after")
-    def _seed(self) -> HashingConfig:
+    def _seed_for_xxhash(self) -> HashingConfig:
+        """Replaces :class:`~cluster.hashing.HashConfig`'s check of the same name (pydantic
+        runs the subclass's), naming the section's field."""
         if self.seed is not None and int(self.seed) > 4294967295:
             raise ValueError(f"hashing.seed: {self.seed} is above 4294967295")
         if self.algo.startswith("xxhash") and self.seed is None:
@@ -43,8 +47,7 @@ class HashingConfig(_Strict):
             )
         return self
 
-    def hash_config(self) -> Any:
-        """The :class:`cluster.hashing.HashConfig` of these settings."""
-        from cluster.hashing import HashConfig
-
+    def hash_config(self) -> HashConfig:
+        """The plain :class:`cluster.hashing.HashConfig` of these settings (``on_mismatch`` is
+        the replica's business, not the hasher's)."""
         return HashConfig(algo=self.algo, block_size=self.block_size, seed=self.seed)
