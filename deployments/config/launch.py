@@ -72,8 +72,8 @@ def engine_launch(cfg: AppConfig, role: Role, ports: ReplicaPorts) -> EngineLaun
     """The :class:`engines.launch.EngineLaunch` of one replica of ``role``.
 
     Prefill is the NIXL ``kv_producer``, decode the ``kv_consumer``; both load the project's
-    connector (``engines.nixl_connector``) with the KV buffer on the CPU, and hash blocks with
-    ``cfg.hashing`` (the ingress's own settings).
+    connector (``engines.nixl_connector``) with the KV buffer on ``kv_buffer_device``, and hash
+    blocks with ``cfg.hashing`` (the ingress's own settings).
     """
     e = cfg.engine(role)
     return EngineLaunch(
@@ -82,16 +82,11 @@ def engine_launch(cfg: AppConfig, role: Role, ports: ReplicaPorts) -> EngineLaun
         cache_dir=str(Path(cfg.cache_dir).expanduser()),
         max_model_len=cfg.model.max_model_len,
         dtype=cfg.model.dtype,
-        enforce_eager=e.enforce_eager,
-        enable_prefix_caching=e.enable_prefix_caching,
+        **e.engine_settings(),  # enforce_eager, max_num_seqs, cpu_bind, scheduler_cls, ...
         block_size=cfg.hashing.block_size,
         hash_algo=cfg.hashing.algo,
         hash_seed=cfg.hashing.seed,
-        max_num_seqs=e.max_num_seqs,
         max_num_batched_tokens=e.max_num_batched_tokens,
-        kv_cache_gib=e.kv_cache_gib,
-        cpu_bind=e.cpu_bind,
-        scheduler_cls=e.scheduler_cls,
         scheduler=cfg.scheduler_config(role),
         runtime=e.resolved_runtime,
         kv_transfer=None

