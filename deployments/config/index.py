@@ -7,6 +7,8 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator
 
+from cluster.index import IndexBackend
+from cluster.index import IndexConfig as ClusterIndexConfig
 from deployments.config.common import _Strict
 
 
@@ -30,12 +32,18 @@ class RedisUsers(_Strict):
 
 
 class IndexConfig(_Strict):
-    """The global prefix index the router consults (fed by the prefill engines' KV events)."""
+    """The global prefix index the router consults (fed by the prefill engines' KV events).
+
+    The user's section: where the index lives, how long a lookup may take, each role's Redis
+    user (the password in a file). Each process that reads or writes the index connects with
+    the :class:`cluster.index.IndexConfig` that :meth:`cluster_config` resolves from it (the
+    Serve app's namespace, the role's credentials read now): two models because they are two
+    things, not a copy of one."""
 
     # a refused redis_url may hold a password: errors must not echo it
     model_config = ConfigDict(extra="forbid", frozen=True, hide_input_in_errors=True)
 
-    backend: Literal["memory", "redis", "none"] = Field(
+    backend: Literal[IndexBackend, "none"] = Field(
         default="memory",
         description="'memory': in the ingress process (one ingress replica); 'redis': shared "
         "by every ingress replica, each prefill replica writes its own entries; 'none': no "
@@ -89,12 +97,10 @@ class IndexConfig(_Strict):
         app: str,
         socket_timeout_s: float | None = None,
         role: Literal["ingress", "prefill"] = "ingress",
-    ) -> Any:
+    ) -> ClusterIndexConfig:
         """The :class:`cluster.index.IndexConfig` of the prefill pool of Serve app ``app``
         (every reader and writer of one app's index must use this one namespace), with
         ``role``'s Redis credentials when the backend is Redis."""
-        from cluster.index import IndexConfig as ClusterIndexConfig
-
         creds = {}
         if self.backend == "redis":
             c = self.redis_credentials(role)
