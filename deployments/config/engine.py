@@ -12,7 +12,11 @@ from engines.launch import EngineSettings, KVBufferDevice, LoadFailurePolicy, Ru
 
 
 class KVEventsConfig(_Strict):
-    """KV-cache events (blocks stored / removed) each engine replica publishes over ZMQ."""
+    """KV-cache events (blocks stored / removed) each engine replica publishes over ZMQ.
+
+    The user's side (on or off, a port base or free ports, the transport); each replica's
+    :class:`engines.launch.KVEventsLaunch` (its own ports, its socket folder) is resolved from
+    it by :func:`deployments.config.launch.kv_events_launch`."""
 
     enabled: bool = Field(default=True, description="Publish KV events (the index needs them).")
     port: Port | None = Field(
