@@ -1,6 +1,7 @@
 """An engine replica's health: ready once it has served, replaced by Serve once wedged.
 
-The ingress's ``/health`` asks every replica's ``ready`` (both engines can serve); Serve
+The ingress's ``/health`` asks each role's ``ready``, which answers only once that engine
+has served a probe request end to end, so ``/health`` means both engines can serve; Serve
 calls ``check_health`` on its own period and replaces a replica whose engine is
 :meth:`Health.wedged`; the routers stop sending to it as soon as its load report says so
 (:mod:`.reports`).

@@ -2,7 +2,8 @@
 
 In a request's path: the ingress's router picks a replica of the role and calls it through
 Serve (:mod:`.calls`); the replica runs the call on its engine runtime
-(:mod:`engines.runtime`) and streams :class:`~deployments.protocol.EngineChunk` s back.
+(:mod:`engines.runtime`) and streams chunks (:class:`~deployments.protocol.EngineChunk`)
+back.
 This module is the Serve class itself: its start-up and shutdown, and the concerns it is
 built from, one module each: :mod:`.calls`, :mod:`.health`, :mod:`.live_config`,
 :mod:`.reports`, :mod:`.faults`, with its index side in :mod:`.index_writer`.
