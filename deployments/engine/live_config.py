@@ -3,9 +3,9 @@
 Not on a request's path, but deciding it: Fairway orders the prefill queue and TWP gates
 decode admission inside the engine (:mod:`engines.scheduler`). At start a replica that
 decodes (decode role, or colocated; ``calibrate_decode``) measures its own single-stream
-inter-token latency and hands it to TWP (``_calibrate_decode``); while it serves, Serve's ``user_config`` changes Fairway's and TWP's
-parameters between two engine steps without a restart (``reconfigure``); ``live_config`` is
-what the engine runs with now.
+inter-token latency and hands it to TWP (``_calibrate_decode``); while it serves, Serve's
+``user_config`` changes Fairway's and TWP's parameters between two engine steps without a
+restart (``reconfigure``); ``live_config`` is what the engine runs with now.
 """
 
 from __future__ import annotations
