@@ -9,7 +9,8 @@ a benchmark's engine, a test's): one JSON object as a single frame ``TOPIC + b" 
 ``CONFLATE`` and keep only the newest snapshot: :class:`StateReader`, the client half, for a
 dashboard, a script or a test. The serving app itself does not read it: its replicas ask
 their scheduler through :mod:`engines.engine_rpc` (a call pdserve's vLLM plug-in adds to the
-engine core), which works under both runtimes and answers calls, not just snapshots. Off by default (``channel: null``).
+engine core), which works under both runtimes and answers calls, not just snapshots. Off by
+default (``channel: null``).
 
 Snapshot keys (all optional except ``engine``, ``step``, ``ts``): ``prefill_policy``,
 ``gate``, ``waiting``, ``running``, ``queued_uncached_tokens``, ``lanes``
