@@ -13,7 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 from ray.exceptions import ActorDiedError
 
-from deployments.engine import _count_failed_transfers
+from deployments.engine.counters import _count_failed_transfers
 from deployments.ingress.openai_requests import (
     ChatCompletionRequest,
     CompletionRequest,
