@@ -277,7 +277,7 @@ def bench_warm_start(
 ) -> None:
     """The first requests after /health says ready, with and without the pair warm-up
     (brings the app up and down twice; nothing else may run on port 8000)."""
-    from bench.warm_start import run
+    from bench.live.warm_start import run
     from pdserve.output import table, write_json
 
     if not config.exists():
@@ -313,7 +313,7 @@ def bench_cold_start(
     """Cold starts from zero replicas per model preset: the first request's TTFT, the seconds
     it waited for each role's replica to start, against warm requests (brings the app up and
     down once per preset; nothing else may run on port 8000)."""
-    from bench.cold_start import run, table
+    from bench.live.cold_start import run, table
     from pdserve.output import write_json
 
     if not config.exists():
@@ -339,7 +339,7 @@ def bench_serve(
     """PD vs conditional disaggregation vs colocated on the live app: TTFT, ITL and
     throughput at each concurrency (brings the app up and down once per mode; nothing else
     may run on its port)."""
-    from bench.serve_modes import MODES, run
+    from bench.live.serve_modes import MODES, run
     from pdserve.output import csv_numbers, table, write_json
 
     for path, hint in ((config, "--config"), (colocated_config, "--colocated-config")):
@@ -396,8 +396,8 @@ def bench_live(
     """Replay a trace or scenario open-loop against a live endpoint (any OpenAI-compatible
     server): TTFT, ITL, end-to-end latency, throughput and cached-token ratio, with a report
     and plots in OUT."""
-    from bench.live import run
-    from bench.traces import TraceFormatError
+    from bench.live.replay import run
+    from bench.workloads.traces import TraceFormatError
 
     if trace is not None and not trace.exists():
         raise typer.BadParameter(f"{trace} does not exist", param_hint="--trace")
@@ -473,9 +473,9 @@ def bench_compare(
     with ratios to the peer and a report with plots in OUT."""
     import yaml
 
-    from bench.compare import SYSTEMS, as_text, run, with_preset
-    from bench.live import build_requests
-    from bench.traces import TraceFormatError
+    from bench.live.compare import SYSTEMS, as_text, run, with_preset
+    from bench.live.replay import build_requests
+    from bench.workloads.traces import TraceFormatError
     from deployments.config import load_app_config
 
     if not config.exists():
@@ -545,7 +545,7 @@ def bench_pd(
     json_out: Path | None = typer.Option(None, "--json", help="Write the results as JSON here."),
 ) -> None:
     """Idle CPU, PD-path vs single-engine TTFT/ITL, and ingress overhead of a running app."""
-    from bench.pd_bench import run
+    from bench.live.pd import run
     from pdserve.output import table, write_json
 
     os.environ.setdefault("RAY_AUTH_MODE", "token")  # as `pdserve up` starts a head
@@ -607,7 +607,7 @@ def bench_soak(
     """A bounded load test on the live endpoint: open-loop arrivals at and above saturation;
     reports outcomes (only 429/503 with Retry-After may refuse), drain time, the routers' and
     feeds' table sizes against their baseline, and every process's memory growth."""
-    from bench.soak import plot, run
+    from bench.live.soak import plot, run
     from pdserve.output import csv_numbers, table, write_json
 
     lv = tuple(float(x) for x in csv_numbers(levels, float, "levels"))
@@ -619,7 +619,7 @@ def bench_soak(
     if up:
         import yaml
 
-        from bench.warm_start import pdserve_cli
+        from bench.live.warm_start import pdserve_cli
 
         raw = yaml.safe_load(config.read_text())
         url = f"http://127.0.0.1:{raw.get('http_options', {}).get('port', 8000)}"
@@ -691,7 +691,7 @@ def bench_proxy_control(
 ) -> None:
     """The control for the soak's memory check: Ray Serve's proxy under the soak's requests
     with a trivial app (no pdserve) on a Ray cluster of its own; its memory growth."""
-    from bench.proxy_control import run
+    from bench.live.proxy_control import run
     from pdserve.output import write_json
 
     res = run(

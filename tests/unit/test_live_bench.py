@@ -1,4 +1,4 @@
-"""The live replayer's workloads, shaping and summary (bench.live); the replay itself runs
+"""The live replayer's workloads, shaping and summary (bench.live.replay); the replay itself runs
 against the live app in tests/e2e/test_pd_app.py."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.live import (
+from bench.live.replay import (
     LiveRequest,
     LiveResult,
     scenario_requests,
@@ -17,7 +17,7 @@ from bench.live import (
     trace_requests,
     write_report,
 )
-from bench.traces import TraceRequest
+from bench.workloads.traces import TraceRequest
 
 VOCAB = 1000
 

@@ -3,7 +3,7 @@ prefixes exactly, and the summary counts what the replays did."""
 
 from __future__ import annotations
 
-from bench.routing_bench import RagMix, Result, rag_mix, ratios, summarize_policy
+from bench.live.routing import RagMix, Result, rag_mix, ratios, summarize_policy
 
 
 def test_rag_mix_is_seeded_and_shares_document_prefixes() -> None:

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.stats import summarize
+from bench.report.stats import summarize
 
 
 def _preemptions(llm: Any) -> float | None:

@@ -10,7 +10,7 @@ Prompts are token ids, so shared prefixes stay shared and every count is exact:
 - **Azure** traces carry lengths only: each prompt is its own ids (no shared prefixes).
 - **Scenarios**: ``rag`` (the shared-document RAG mix of ``pdserve bench routing``) and every
   prefill-simulator scenario (``sec-spike``, ``flood``, ``musique``, ``long-prompts``, the
-  grid: :data:`bench.prefill_scenarios.SCENARIOS`). Their chained block hashes become fixed
+  grid: :data:`bench.workloads.prefill_scenarios.SCENARIOS`). Their chained block hashes become fixed
   runs of ``block_size`` ids the same way (equal hash, equal prefix); the partial last block
   is the request's own. They carry no output lengths: ``max_tokens`` each.
 
@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from bench.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, load_azure, load_mooncake
+from bench.workloads.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, load_azure, load_mooncake
 
 TRACE_FORMATS = ("mooncake", "azure")
 #: Token ids drawn for synthetic prompts: above the special tokens of small vocabularies.
@@ -120,14 +120,14 @@ def scenario_requests(
     """A named scenario as prompts: ``rag``, or a prefill-simulator scenario (its arrivals at
     the profile's capacity: shape them with ``time_scale``)."""
     if name == "rag":
-        from bench.routing_bench import RagMix, rag_mix
+        from bench.live.routing import RagMix, rag_mix
 
         mix = RagMix(seed=seed, max_tokens=max_tokens)
         return [
             LiveRequest(a.at_s, tuple(a.ids), max_tokens, f"doc{a.doc}")
             for a in rag_mix(mix, vocab)
         ]
-    from bench.prefill_scenarios import SCENARIOS, build_scenario
+    from bench.workloads.prefill_scenarios import SCENARIOS, build_scenario
     from engines.profile_store import load_profile
 
     if name not in SCENARIOS:

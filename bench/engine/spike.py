@@ -1,7 +1,7 @@
 """``bench engine``: a scaled-down spike through the real vLLM engine, per prefill policy.
 
 Measured, not simulated (``"simulated": false``), except the calibration block, which runs
-the same spike through the prefill simulator (:mod:`bench.prefill_sim`) with the measured
+the same spike through the prefill simulator (:mod:`bench.sim.prefill`) with the measured
 profile and reports the simulator's TTFT error against the engine.
 
 Spike: ``n`` requests submitted at once (fixed seed): ``shared_fraction`` of them are a
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.stats import summarize
+from bench.report.stats import summarize
 from controllers.profile import EngineProfile
 
 
@@ -87,7 +87,7 @@ def simulate_spike(
     max_running: int,
 ) -> dict[str, float]:
     """TTFT (s) per request id of the same spike in the prefill simulator (simulated)."""
-    from bench.prefill_sim import EngineConfig, SimRequest, simulate
+    from bench.sim.prefill import EngineConfig, SimRequest, simulate
 
     bs = profile.block_size
     reqs = [

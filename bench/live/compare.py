@@ -59,7 +59,7 @@ from typing import Any
 
 import yaml
 
-from bench.live import LiveRequest, replay, summarize, write_report
+from bench.live.replay import LiveRequest, replay, summarize, write_report
 from deployments.local import local_env, venv_bin, with_allocator
 
 #: The like-for-like reference: the denominator of every ratio.

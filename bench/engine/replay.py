@@ -29,9 +29,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from bench.prefill_report import band_factors, policy_report, six_targets
-from bench.prefill_scenarios import Workload
-from bench.prefill_sim import EngineConfig, RunResult, simulate
+from bench.report.prefill import band_factors, policy_report, six_targets
+from bench.sim.prefill import EngineConfig, RunResult, simulate
+from bench.workloads.prefill_scenarios import Workload
 from controllers.profile import EngineProfile, StepCost
 from engines.profiler import fit_step_cost_steps
 
@@ -76,7 +76,7 @@ def _warm(work: Workload, vocab: int) -> list[list[int]]:
 
 def _result_from_ttfts(work: Workload, ttft: dict[str, float]) -> RunResult:
     """A :class:`RunResult` over measured TTFTs, so the simulator's report code applies."""
-    from bench.prefill_sim import FinishedRequest
+    from bench.sim.prefill import FinishedRequest
 
     fin = [
         FinishedRequest(
@@ -259,7 +259,7 @@ def rebuild_workload(res: dict[str, Any]) -> Workload:
     """The workload a stored replay (``bench replay --json``) ran: its scenario and seed
     built at the profile it used (``quick`` as stored; replays written before stop 35 did
     not store it, and then the form whose request count matches is taken)."""
-    from bench.prefill_scenarios import build_scenario
+    from bench.workloads.prefill_scenarios import build_scenario
 
     prof = EngineProfile.model_validate(res["profile_used"])
     for quick in [res["quick"]] if "quick" in res else [False, True]:
