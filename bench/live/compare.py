@@ -59,7 +59,8 @@ from typing import Any
 
 import yaml
 
-from bench.live.replay import LiveRequest, replay, summarize, write_report
+from bench.live.replay import replay, summarize, write_report
+from bench.workloads.replay import LiveRequest
 from deployments.local import local_env, venv_bin, with_allocator
 
 #: The like-for-like reference: the denominator of every ratio.

@@ -77,8 +77,9 @@ def routing(
     """Replay one shared-document RAG mix against the live app under each routing policy."""
     from tqdm import tqdm
 
-    from bench.live.routing import RagMix, ratios, run
     from bench.live.routing import plot as plot_cdf
+    from bench.live.routing import ratios, run
+    from bench.workloads.rag import RagMix
 
     names = csv_known(policies, POLICIES, "routing policy", "--policies")
     if preset not in ("bench", "test"):

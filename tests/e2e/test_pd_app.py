@@ -554,15 +554,13 @@ def test_live_replay_of_a_shared_document_mix_and_a_mooncake_trace(
     """``pdserve bench live`` against the running app: every request answered, the summary in
     the issue's schema, shared documents found in the prefix cache, the report written."""
     from bench.live.replay import run
+    from bench.workloads.replay import ReplayWorkload
 
     key = next(iter(pd_app["keys"]))
     s = run(
         pd_app["url"],
         tmp_path / "rag",
-        scenario="rag",
-        limit=12,
-        time_scale=0.5,
-        max_tokens=8,
+        ReplayWorkload(scenario="rag", limit=12, time_scale=0.5, max_tokens=8),
         key=key,
         progress=False,
     )
@@ -586,11 +584,9 @@ def test_live_replay_of_a_shared_document_mix_and_a_mooncake_trace(
     m = run(
         pd_app["url"],
         tmp_path / "mooncake",
-        trace=trace,
-        trace_format="mooncake",
-        limit=4,
-        length_scale=0.03,
-        time_scale=0.001,
+        ReplayWorkload(
+            trace=trace, trace_format="mooncake", limit=4, length_scale=0.03, time_scale=0.001
+        ),
         key=key,
         progress=False,
     )

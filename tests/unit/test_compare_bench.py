@@ -23,7 +23,7 @@ from bench.live.compare import (
     with_preset,
     word_tokens,
 )
-from bench.live.replay import LiveRequest, scenario_requests
+from bench.workloads.replay import LiveRequest, scenario_requests
 from deployments.config import engine_launch, load_app_config
 
 ROOT = Path(__file__).resolve().parents[2]
