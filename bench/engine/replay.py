@@ -449,26 +449,24 @@ def run_engine_replay(
 ) -> dict[str, Any]:
     """Start one in-process engine (KV capped at the workload's cache) and :func:`replay`."""
     from engines.config import EngineSchedulerConfig
-    from engines.runtime import live_scheduler, make_llm
+    from engines.runtime import live_scheduler
+    from engines.session import llm_session
 
     longest = max(r.prompt_tokens for r in work.requests)
-    llm = make_llm(
+    with llm_session(
         model_dir,
         cache_dir=cache_dir,
-        scheduler_cls="engines.scheduler.FairwayScheduler",
-        pdserve={"prefill_policy": "fcfs"},
         kv_blocks=work.cache_blocks,
         max_model_len=max(4096, longest + 16),
         max_num_batched_tokens=token_budget,
         max_num_seqs=max_running,
-    )
-    sched = live_scheduler(llm)
+    ) as llm:
+        sched = live_scheduler(llm)
 
-    def configure(policy: str) -> None:
-        sched.configure(EngineSchedulerConfig(prefill_policy=policy, profile=profile))
-        llm.reset_prefix_cache()
+        def configure(policy: str) -> None:
+            sched.configure(EngineSchedulerConfig(prefill_policy=policy, profile=profile))
+            llm.reset_prefix_cache()
 
-    try:
         return replay(
             llm,
             work,
@@ -481,5 +479,3 @@ def run_engine_replay(
             progress=progress,
             band_rel=band_rel,
         )
-    finally:
-        llm.llm_engine.engine_core.shutdown()

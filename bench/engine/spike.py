@@ -131,39 +131,37 @@ def run_engine_bench(
 
     from engines.config import EngineSchedulerConfig
     from engines.model_builder import model_preset
-    from engines.runtime import live_scheduler, make_llm
+    from engines.runtime import live_scheduler
+    from engines.session import llm_session
 
     say = progress or (lambda _m: None)
     vocab_hint = 1500
     spike = make_spike(n, seed, vocab=vocab_hint)
     longest = max(len(r.tokens) for r in spike.requests)
-    llm = make_llm(
+    with llm_session(
         model_dir,
         cache_dir=cache_dir,
-        scheduler_cls="engines.scheduler.FairwayScheduler",
-        pdserve={"prefill_policy": "fcfs"},
         kv_blocks=kv_blocks,
         max_model_len=max(4096, longest + 16),
         max_num_batched_tokens=token_budget,
         max_num_seqs=max_running,
-    )
-    eng = llm.llm_engine
-    sched = live_scheduler(llm)
-    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    ) as llm:
+        eng = llm.llm_engine
+        sched = live_scheduler(llm)
+        one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
-    def configure(policy: str) -> None:
-        sched.configure(EngineSchedulerConfig(prefill_policy=policy, profile=prof))
-        llm.reset_prefix_cache()
+        def configure(policy: str) -> None:
+            sched.configure(EngineSchedulerConfig(prefill_policy=policy, profile=prof))
+            llm.reset_prefix_cache()
 
-    def drain() -> dict[str, Any]:
-        done: dict[str, Any] = {}
-        while eng.has_unfinished_requests():
-            for o in eng.step():
-                if o.finished:
-                    done[o.request_id] = o
-        return done
+        def drain() -> dict[str, Any]:
+            done: dict[str, Any] = {}
+            while eng.has_unfinished_requests():
+                for o in eng.step():
+                    if o.finished:
+                        done[o.request_id] = o
+            return done
 
-    try:
         llm.generate([{"prompt_token_ids": list(spike.warm[0])}], one, use_tqdm=False)
         profile_source = "given"
         if profile is None:
@@ -259,8 +257,6 @@ def run_engine_bench(
                 f"overhead at {size} waiting: hook {o['hook_ms']:.2f} ms / step {o['step_ms']:.1f} ms"
             )
         return result
-    finally:
-        eng.engine_core.shutdown()
 
 
 def _relative_calibration(result: dict[str, Any], policies: list[str]) -> None:

@@ -37,62 +37,61 @@ def run_engine_flood(
     from vllm import SamplingParams
 
     from engines.config import EngineSchedulerConfig
-    from engines.runtime import live_scheduler, make_llm
+    from engines.runtime import live_scheduler
+    from engines.session import llm_session
 
     rng = random.Random(seed)
 
     def prompt() -> list[int]:
         return [rng.randrange(10, 1400) for _ in range(rng.randint(*prompt_tokens))]
 
-    llm = make_llm(
+    with llm_session(
         model_dir,
         cache_dir=cache_dir,
-        scheduler_cls="engines.scheduler.FairwayScheduler",
-        pdserve={"prefill_policy": "fcfs", "profile": profile.model_dump(mode="json")},
+        pdserve={"profile": profile.model_dump(mode="json")},
         max_model_len=max(2048, prompt_tokens[1] + 16),
         max_num_batched_tokens=token_budget,
         max_num_seqs=64,
-    )
-    eng = llm.llm_engine
-    sched = live_scheduler(llm)
-    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    ) as llm:
+        eng = llm.llm_engine
+        sched = live_scheduler(llm)
+        one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
-    def configure(policy: str, fair: bool) -> None:
-        sched.configure(
-            EngineSchedulerConfig(prefill_policy=policy, profile=profile, fair_share=fair)
-        )
-        llm.reset_prefix_cache()
+        def configure(policy: str, fair: bool) -> None:
+            sched.configure(
+                EngineSchedulerConfig(prefill_policy=policy, profile=profile, fair_share=fair)
+            )
+            llm.reset_prefix_cache()
 
-    def play(arrivals: list[tuple[float, str, list[int]]], horizon: float) -> dict[str, float]:
-        """Open-loop replay; returns TTFT per request id (unfinished ones are left out)."""
-        t0 = time.monotonic()
-        planned: dict[str, float] = {}
-        ttft: dict[str, float] = {}
-        i = 0
-        while True:
-            now = time.monotonic() - t0
-            while i < len(arrivals) and arrivals[i][0] <= now:
-                at, rid, toks = arrivals[i]
-                tenant = rid[0]
-                eng.add_request(rid, {"prompt_token_ids": toks, "cache_salt": tenant}, one)
-                planned[rid] = t0 + at
-                i += 1
-            if not eng.has_unfinished_requests():
-                if i >= len(arrivals):
+        def play(arrivals: list[tuple[float, str, list[int]]], horizon: float) -> dict[str, float]:
+            """Open-loop replay; returns TTFT per request id (unfinished ones are left out)."""
+            t0 = time.monotonic()
+            planned: dict[str, float] = {}
+            ttft: dict[str, float] = {}
+            i = 0
+            while True:
+                now = time.monotonic() - t0
+                while i < len(arrivals) and arrivals[i][0] <= now:
+                    at, rid, toks = arrivals[i]
+                    tenant = rid[0]
+                    eng.add_request(rid, {"prompt_token_ids": toks, "cache_salt": tenant}, one)
+                    planned[rid] = t0 + at
+                    i += 1
+                if not eng.has_unfinished_requests():
+                    if i >= len(arrivals):
+                        break
+                    time.sleep(max(0.0, min(0.01, arrivals[i][0] - now)))
+                    continue
+                if now > horizon:
+                    eng.abort_request([rid for rid in planned if rid not in ttft])
+                    while eng.has_unfinished_requests():
+                        eng.step()
                     break
-                time.sleep(max(0.0, min(0.01, arrivals[i][0] - now)))
-                continue
-            if now > horizon:
-                eng.abort_request([rid for rid in planned if rid not in ttft])
-                while eng.has_unfinished_requests():
-                    eng.step()
-                break
-            for o in eng.step():
-                if o.finished and o.metrics is not None and o.metrics.first_token_ts:
-                    ttft[o.request_id] = o.metrics.first_token_ts - planned[o.request_id]
-        return ttft
+                for o in eng.step():
+                    if o.finished and o.metrics is not None and o.metrics.first_token_ts:
+                        ttft[o.request_id] = o.metrics.first_token_ts - planned[o.request_id]
+            return ttft
 
-    try:
         warm = [{"prompt_token_ids": prompt()} for _ in range(4)]
         llm.generate(warm, one, use_tqdm=False)
         configure("fcfs", False)
@@ -158,8 +157,6 @@ def run_engine_flood(
             "rows": rows,
             "ttfts": ttfts,
         }
-    finally:
-        eng.engine_core.shutdown()
 
 
 def _step_costs(records: Any) -> dict[str, float]:
