@@ -183,18 +183,22 @@ def run(
     policies: list[str],
     mix: RagMix,
     *,
+    build_app: Callable[[dict[str, Any]], Any],
     overhead_streams: int = 8,
     overhead_requests: int = 40,
     port: int = 8765,
     progress: Callable[[str, int], Callable[[int], None]] | None = None,
 ) -> dict[str, Any]:
-    """Deploy the app once per policy, replay ``mix`` against it, and summarize (see module)."""
+    """Deploy the app once per policy, replay ``mix`` against it, and summarize (see module).
+
+    ``build_app`` is the application builder a Serve config names (``import_path:
+    deployments.app:build_app``), handed in by the caller, so that the benchmark reaches the
+    app only through it, its config and its HTTP routes."""
     import os
 
     import ray
     from ray import serve
 
-    from deployments.app import build_app
     from deployments.config import load_app_config
 
     cfg = load_app_config(app_args)

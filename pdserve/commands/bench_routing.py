@@ -101,10 +101,13 @@ def routing(
         bars.append(bar)
         return bar.update
 
+    from deployments.app import build_app
+
     res = run(
         app_args(preset, prefill_replicas, cache_dir),
         names,
         mix,
+        build_app=build_app,
         overhead_streams=overhead_streams,
         progress=progress,
     )
