@@ -65,7 +65,7 @@ def test_vllms_benchmark_client_succeeds_and_hits_the_cache(
     cached_before = counters(pd_app["prefill"])["prefix_hits"]
     n = 12
     cmd = [
-        sys.executable, "-m", "bench.vllm_bench_serve",
+        sys.executable, "-m", "bench.live.vllm_bench_serve",
         "--backend", backend, "--base-url", pd_app["url"], "--endpoint", endpoint,
         "--model", "test", "--tokenizer", tok,
         "--dataset-name", "prefix_repetition",

@@ -28,7 +28,7 @@ Model (issue #5; the numbers come from the engine profile, see
   freed, back to the head of the waiting queue, prompt and generated tokens to prefill
   again). The engine's allocator admits in the policy's order until the first request
   that does not fit or ``max_num_seqs`` is reached.
-- The serverless pool (:mod:`bench.serverless_pool`) is shared by all policies.
+- The serverless pool (:mod:`bench.sim.serverless_pool`) is shared by all policies.
 
 TTFT is reported two ways (both simulated):
 
@@ -45,7 +45,7 @@ TTFT is reported two ways (both simulated):
   ``t0``. In ``pd`` mode that excludes the prefill engine and the KV transfer too, so
   there ``ttft_eq1`` is only the decode side's share.
 
-Metrics per policy: TTFT and end-to-end latency STATS (s, :func:`bench.stats.summarize`),
+Metrics per policy: TTFT and end-to-end latency STATS (s, :func:`bench.report.stats.summarize`),
 per-step ITL mean, p99 and CV (std / mean over steps that decoded >= 1 request, all
 containers pooled), throughput in requests and generated tokens per second of wall time
 (first arrival to last completion), cold starts, preemptions. Deterministic: no
@@ -62,9 +62,9 @@ from typing import Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from bench.decode_workloads import DecodeRequest
-from bench.serverless_pool import PoolConfig, ServerlessPool
-from bench.stats import summarize
+from bench.report.stats import summarize
+from bench.sim.serverless_pool import PoolConfig, ServerlessPool
+from bench.workloads.decode import DecodeRequest
 from controllers.decode import (
     DecodeAdmissionPolicy,
     DecodeObservation,
@@ -656,7 +656,7 @@ def run_experiment(
     """
     from tqdm import tqdm
 
-    from bench import decode_workloads as wl
+    from bench.workloads import decode as wl
 
     cfg = (config or DecodeSimConfig()).model_copy(update={"mode": exp.mode})
     duration = 20.0 if exp.quick else 60.0

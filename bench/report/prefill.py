@@ -8,7 +8,7 @@ JSON shape of :func:`run_workload`::
      "six_targets": {POLICY: {"met": k, "of": 6, "detail": {...}}}   # phased scenarios
     }
 
-``STATS`` is :func:`bench.stats.summarize` in seconds. ``worst_wait_s`` is the largest
+``STATS`` is :func:`bench.report.stats.summarize` in seconds. ``worst_wait_s`` is the largest
 TTFT; ``starved`` is ``worst_wait_s > 3 x`` the policy's own p99.
 
 The paper's six targets (``calm``, ``burst``, ``spike``): in each phase, a median at most
@@ -23,9 +23,9 @@ from typing import Any
 
 from tqdm import tqdm
 
-from bench.prefill_scenarios import Workload
-from bench.prefill_sim import EngineConfig, RunResult, simulate
-from bench.stats import summarize
+from bench.report.stats import summarize
+from bench.sim.prefill import EngineConfig, RunResult, simulate
+from bench.workloads.prefill_scenarios import Workload
 from controllers.config import FairwayConfig
 from controllers.profile import EngineProfile
 

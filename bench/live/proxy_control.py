@@ -50,7 +50,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from bench.soak import _open_loop, request_bodies, rss
+from bench.live.soak import _open_loop, request_bodies, rss
 
 #: the answer's body: about the size of a pdserve completion of 16 tokens with its usage
 ANSWER_TEXT = "x" * 64

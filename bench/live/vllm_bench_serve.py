@@ -1,6 +1,6 @@
 """vLLM's own benchmark client (``vllm bench serve``) against a running pdserve app.
 
-    python -m bench.vllm_bench_serve --backend openai --base-url http://127.0.0.1:8000 \\
+    python -m bench.live.vllm_bench_serve --backend openai --base-url http://127.0.0.1:8000 \\
         --model test --tokenizer ~/.cache/pdserve/models/test \\
         --dataset-name prefix_repetition --num-prompts 20 ...
 
@@ -22,7 +22,7 @@ def run(argv: list[str]) -> dict[str, Any]:
     from vllm.benchmarks.serve import add_cli_args, main
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    parser = FlexibleArgumentParser(prog="python -m bench.vllm_bench_serve")
+    parser = FlexibleArgumentParser(prog="python -m bench.live.vllm_bench_serve")
     add_cli_args(parser)
     result: dict[str, Any] = main(parser.parse_args(argv))
     return result

@@ -10,7 +10,7 @@ differ from Llama-3's by some percent; the workloads need realistic lengths, not
 The trained file lives in ``bench/data/tokenizer/tokenizer.json`` (see the README there
 for the corpora and the exact training command). Retrain with::
 
-    python -m bench.tokenizer --out bench/data/tokenizer --traces PATH/TO/shared/traces
+    python -m bench.workloads.tokenizer --out bench/data/tokenizer --traces PATH/TO/shared/traces
 
 (or with plain-text ``CORPUS_FILE ...`` arguments instead of ``--traces``).
 
@@ -30,10 +30,12 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
 
+from bench import DATA_DIR
+
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
-TOKENIZER_DIR = Path(__file__).parent / "data" / "tokenizer"
+TOKENIZER_DIR = DATA_DIR / "tokenizer"
 TOKENIZER_FILE = TOKENIZER_DIR / "tokenizer.json"
 DEFAULT_VOCAB_SIZE = 16384
 SPECIAL_TOKENS = ("<|begin_of_text|>", "<|end_of_text|>", "<|pad|>")
@@ -44,7 +46,7 @@ def _tokenizers() -> ModuleType:
         import tokenizers
     except ImportError:  # pragma: no cover - the engine extra installs it
         raise ImportError(
-            "bench.tokenizer needs the `tokenizers` package (pip install tokenizers, or the "
+            "bench.workloads.tokenizer needs the `tokenizers` package (pip install tokenizers, or the "
             "project's `engine` extra)"
         ) from None
     return tokenizers
@@ -57,7 +59,7 @@ def load_tokenizer(path: str | None = None) -> Tokenizer:
     p = Path(path) if path is not None else TOKENIZER_FILE
     if not p.exists():
         raise FileNotFoundError(
-            f"no tokenizer at {p}; train one with `python -m bench.tokenizer --out DIR CORPUS...`"
+            f"no tokenizer at {p}; train one with `python -m bench.workloads.tokenizer --out DIR CORPUS...`"
         )
     return Tokenizer.from_file(str(p))
 

@@ -59,7 +59,8 @@ from typing import Any
 
 import yaml
 
-from bench.live import LiveRequest, replay, summarize, write_report
+from bench.live.replay import replay, summarize, write_report
+from bench.workloads.replay import LiveRequest
 from deployments.local import local_env, venv_bin, with_allocator
 
 #: The like-for-like reference: the denominator of every ratio.
@@ -718,16 +719,14 @@ def run(
 ) -> dict[str, Any]:
     """Each of ``systems`` up, measured on the same ``reqs`` (text prompts), down; then the
     ratios, the goal and the report. A system that fails to come up is reported as failed
-    and the rest go on."""
+    and the rest go on. The model must be built (the caller, ``pdserve bench compare``, builds
+    it before it turns the prompts into the model's text)."""
     from deployments.config import load_app_config
 
     unknown = [s for s in systems if s not in SYSTEMS]
     if unknown:
         raise ValueError(f"unknown systems {unknown}; known: {', '.join(SYSTEMS)}")
     cfg = load_app_config(base["applications"][0].get("args") or {})
-    from deployments.app import ensure_model
-
-    ensure_model(cfg)
     out.mkdir(parents=True, exist_ok=True)
     res: dict[str, Any] = {
         "workload": workload,

@@ -1,7 +1,7 @@
 """``bench engine``: a scaled-down spike through the real vLLM engine, per prefill policy.
 
 Measured, not simulated (``"simulated": false``), except the calibration block, which runs
-the same spike through the prefill simulator (:mod:`bench.prefill_sim`) with the measured
+the same spike through the prefill simulator (:mod:`bench.sim.prefill`) with the measured
 profile and reports the simulator's TTFT error against the engine.
 
 Spike: ``n`` requests submitted at once (fixed seed): ``shared_fraction`` of them are a
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.stats import summarize
+from bench.report.stats import summarize
 from controllers.profile import EngineProfile
 
 
@@ -87,7 +87,7 @@ def simulate_spike(
     max_running: int,
 ) -> dict[str, float]:
     """TTFT (s) per request id of the same spike in the prefill simulator (simulated)."""
-    from bench.prefill_sim import EngineConfig, SimRequest, simulate
+    from bench.sim.prefill import EngineConfig, SimRequest, simulate
 
     bs = profile.block_size
     reqs = [
@@ -131,39 +131,37 @@ def run_engine_bench(
 
     from engines.config import EngineSchedulerConfig
     from engines.model_builder import model_preset
-    from engines.runtime import live_scheduler, make_llm
+    from engines.runtime import live_scheduler
+    from engines.session import llm_session
 
     say = progress or (lambda _m: None)
     vocab_hint = 1500
     spike = make_spike(n, seed, vocab=vocab_hint)
     longest = max(len(r.tokens) for r in spike.requests)
-    llm = make_llm(
+    with llm_session(
         model_dir,
         cache_dir=cache_dir,
-        scheduler_cls="engines.scheduler.FairwayScheduler",
-        pdserve={"prefill_policy": "fcfs"},
         kv_blocks=kv_blocks,
         max_model_len=max(4096, longest + 16),
         max_num_batched_tokens=token_budget,
         max_num_seqs=max_running,
-    )
-    eng = llm.llm_engine
-    sched = live_scheduler(llm)
-    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    ) as llm:
+        eng = llm.llm_engine
+        sched = live_scheduler(llm)
+        one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
-    def configure(policy: str) -> None:
-        sched.configure(EngineSchedulerConfig(prefill_policy=policy, profile=prof))
-        llm.reset_prefix_cache()
+        def configure(policy: str) -> None:
+            sched.configure(EngineSchedulerConfig(prefill_policy=policy, profile=prof))
+            llm.reset_prefix_cache()
 
-    def drain() -> dict[str, Any]:
-        done: dict[str, Any] = {}
-        while eng.has_unfinished_requests():
-            for o in eng.step():
-                if o.finished:
-                    done[o.request_id] = o
-        return done
+        def drain() -> dict[str, Any]:
+            done: dict[str, Any] = {}
+            while eng.has_unfinished_requests():
+                for o in eng.step():
+                    if o.finished:
+                        done[o.request_id] = o
+            return done
 
-    try:
         llm.generate([{"prompt_token_ids": list(spike.warm[0])}], one, use_tqdm=False)
         profile_source = "given"
         if profile is None:
@@ -259,8 +257,6 @@ def run_engine_bench(
                 f"overhead at {size} waiting: hook {o['hook_ms']:.2f} ms / step {o['step_ms']:.1f} ms"
             )
         return result
-    finally:
-        eng.engine_core.shutdown()
 
 
 def _relative_calibration(result: dict[str, Any], policies: list[str]) -> None:

@@ -2,7 +2,7 @@
 bypass share moves, beside FCFS, LPM and the paper's Fairway on the same workloads.
 
 For each scenario the sweep runs the references and ``fairway_xstep`` at every share on the
-same prefill simulator (:func:`bench.prefill_sim.simulate`) and reports, per run, one point:
+same prefill simulator (:func:`bench.sim.prefill.simulate`) and reports, per run, one point:
 
 - ``flood``: ``median_s`` = the flood requests' p50 TTFT, ``worst_s`` = the backlog's worst
   TTFT (the issue's two flood figures);
@@ -26,9 +26,9 @@ from typing import Any
 
 from tqdm import tqdm
 
-from bench.prefill_report import policy_report, six_targets
-from bench.prefill_scenarios import Workload, build_scenario
-from bench.prefill_sim import EngineConfig, simulate
+from bench.report.prefill import policy_report, six_targets
+from bench.sim.prefill import EngineConfig, simulate
+from bench.workloads.prefill_scenarios import Workload, build_scenario
 from controllers.config import FairwayConfig
 from controllers.prefill import PrefillPolicy, make_prefill_policy
 from controllers.prefill.xstep import FairwayXStep, XStepConfig

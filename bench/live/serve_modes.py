@@ -23,8 +23,8 @@ from typing import Any
 import yaml
 from tqdm import tqdm
 
-from bench.pd_bench import http_pd
-from bench.warm_start import pdserve_cli
+from bench.live.pd import http_pd
+from bench.live.warm_start import pdserve_cli
 from controllers.stats import summarize
 
 #: mode -> routing.local_prefill_threshold_tokens (on the PD config; colocated has its own)

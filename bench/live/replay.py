@@ -1,26 +1,8 @@
 """Open-loop replay of a trace or scenario against any OpenAI-compatible endpoint
 (``pdserve bench live``): real requests, client-side timings, a report with plots.
 
-Prompts are token ids, so shared prefixes stay shared and every count is exact:
-
-- **Mooncake** traces (``hash_ids``, one per 512-token block): each ``hash_id`` becomes a
-  fixed run of 512 token ids drawn from a generator seeded by ``(seed, hash_id)``, so two
-  requests that share a hash id share those 512 tokens at that position (the last, partial
-  block takes the first tokens of its run). Output lengths come from the trace.
-- **Azure** traces carry lengths only: each prompt is its own ids (no shared prefixes).
-- **Scenarios**: ``rag`` (the shared-document RAG mix of ``pdserve bench routing``) and every
-  prefill-simulator scenario (``sec-spike``, ``flood``, ``musique``, ``long-prompts``, the
-  grid: :data:`bench.prefill_scenarios.SCENARIOS`). Their chained block hashes become fixed
-  runs of ``block_size`` ids the same way (equal hash, equal prefix); the partial last block
-  is the request's own. They carry no output lengths: ``max_tokens`` each.
-
-Shaping a long trace to a small machine: ``limit`` keeps the first requests; ``time_scale``
-multiplies arrival offsets (``2``: half the rate); ``length_scale`` multiplies prompt and output
-lengths (a prompt keeps its prefix, so sharing survives); ``rate`` replaces the arrivals with a
-seeded Poisson process; ``concurrency`` replays closed-loop instead (that many clients, each
-sending its next request when the last one ends). Prompts longer than the endpoint's
-``max_model_len`` (from ``/v1/models`` when it says) less their output are cut to fit, keeping
-the prefix, and counted.
+The requests are a :class:`~bench.workloads.replay.ReplayWorkload` built by
+:func:`bench.workloads.replay.build_requests` (token-id prompts, shaped to the run).
 
 Per request: time to first token, the gaps between streamed chunks (inter-token latency,
 divided by the tokens a chunk carries), end-to-end latency, and the usage the endpoint reports
@@ -33,31 +15,14 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, load_azure, load_mooncake
-
-TRACE_FORMATS = ("mooncake", "azure")
-#: Token ids drawn for synthetic prompts: above the special tokens of small vocabularies.
-LOW_ID = 10
-
-
-@dataclass(frozen=True)
-class LiveRequest:
-    """One request to send: its offset from the start (s), prompt ids and output length."""
-
-    at_s: float
-    ids: tuple[int, ...]
-    max_tokens: int
-    label: str = ""
-    #: the prompt as text, sent instead of ``ids`` when set (for endpoints that route on text)
-    text: str | None = None
+from bench.workloads.replay import LiveRequest, ReplayWorkload, build_requests
 
 
 @dataclass
@@ -73,129 +38,6 @@ class LiveResult:
     cached_tokens: int = 0
     completion_tokens: int = 0
     error: str = ""
-
-
-def block_run(key: int, n: int, vocab: int, seed: int) -> list[int]:
-    """The fixed run of ``n`` token ids standing for block ``key`` (seeded by seed and key)."""
-    rng = random.Random(f"{seed}:{key}")
-    return [rng.randrange(LOW_ID, vocab) for _ in range(n)]
-
-
-def prompt_from_blocks(
-    block_keys: Sequence[int],
-    block_tokens: int,
-    total: int,
-    vocab: int,
-    seed: int,
-    own: int,
-) -> tuple[int, ...]:
-    """``total`` ids: one run of ``block_tokens`` per block key (the last cut short), then
-    ids of the request's own (``own`` seeds them) for whatever the blocks do not cover."""
-    ids: list[int] = []
-    for k in block_keys:
-        if len(ids) >= total:
-            break
-        ids += block_run(k, block_tokens, vocab, seed)[: total - len(ids)]
-    if len(ids) < total:
-        rng = random.Random(f"{seed}:own:{own}")
-        ids += [rng.randrange(LOW_ID, vocab) for _ in range(total - len(ids))]
-    return tuple(ids)
-
-
-def trace_requests(reqs: Sequence[TraceRequest], vocab: int, seed: int = 0) -> list[LiveRequest]:
-    """Mooncake or Azure records as prompts (see the module docstring)."""
-    return [
-        LiveRequest(
-            r.arrival_s,
-            prompt_from_blocks(r.hash_ids, MOONCAKE_BLOCK_TOKENS, r.input_tokens, vocab, seed, i),
-            max(1, r.output_tokens),
-        )
-        for i, r in enumerate(reqs)
-    ]
-
-
-def scenario_requests(
-    name: str, vocab: int, seed: int = 0, max_tokens: int = 16, quick: bool = False
-) -> list[LiveRequest]:
-    """A named scenario as prompts: ``rag``, or a prefill-simulator scenario (its arrivals at
-    the profile's capacity: shape them with ``time_scale``)."""
-    if name == "rag":
-        from bench.routing_bench import RagMix, rag_mix
-
-        mix = RagMix(seed=seed, max_tokens=max_tokens)
-        return [
-            LiveRequest(a.at_s, tuple(a.ids), max_tokens, f"doc{a.doc}")
-            for a in rag_mix(mix, vocab)
-        ]
-    from bench.prefill_scenarios import SCENARIOS, build_scenario
-    from engines.profile_store import load_profile
-
-    if name not in SCENARIOS:
-        known = ", ".join(["rag", *sorted(n for n in SCENARIOS if not n.startswith("grid-"))])
-        raise ValueError(f"unknown scenario {name!r}; known: {known} (and the grid-* cells)")
-    wl = build_scenario(
-        name, seed=seed, quick=quick, profile=load_profile("cpu2core_vllm032_bench")
-    )
-    return [
-        LiveRequest(
-            r.arrival_s,
-            prompt_from_blocks(r.block_hashes, wl.block_size, r.prompt_tokens, vocab, seed, i),
-            max_tokens,
-            ",".join(r.labels),
-        )
-        for i, r in enumerate(wl.requests)
-    ]
-
-
-def load_trace(path: str | Path, fmt: str, limit: int | None = None) -> list[TraceRequest]:
-    """A trace file in ``fmt`` (``mooncake`` or ``azure``)."""
-    if fmt == "mooncake":
-        reqs = load_mooncake(path)
-        return reqs[:limit] if limit else reqs
-    if fmt == "azure":
-        return load_azure(path, limit=limit)
-    raise ValueError(f"trace format must be one of {', '.join(TRACE_FORMATS)}, got {fmt!r}")
-
-
-def shape(
-    reqs: Sequence[LiveRequest],
-    *,
-    limit: int | None = None,
-    time_scale: float = 1.0,
-    length_scale: float = 1.0,
-    rate: float | None = None,
-    max_prompt_tokens: int | None = None,
-    seed: int = 0,
-) -> tuple[list[LiveRequest], int]:
-    """``reqs`` fitted to a run (see the module docstring); also how many prompts were cut
-    to ``max_prompt_tokens``."""
-    if time_scale <= 0 or length_scale <= 0:
-        raise ValueError("time_scale and length_scale must be > 0")
-    if rate is not None and rate <= 0:
-        raise ValueError(f"rate must be > 0, got {rate}")
-    out = list(reqs[:limit] if limit else reqs)
-    if out:
-        t0 = out[0].at_s
-        out = [replace(r, at_s=(r.at_s - t0) * time_scale) for r in out]
-    if rate is not None:
-        rng = random.Random(f"{seed}:arrivals")
-        t = 0.0
-        timed = []
-        for r in out:
-            timed.append(replace(r, at_s=t))
-            t += rng.expovariate(rate)
-        out = timed
-    cut = 0
-    shaped = []
-    for r in out:
-        ids, mt = r.ids, r.max_tokens
-        if length_scale != 1.0:
-            ids = ids[: max(1, math.ceil(len(ids) * length_scale))]
-            mt = max(1, math.ceil(mt * length_scale))
-        if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
-            ids, cut = ids[:max_prompt_tokens], cut + 1
-        shaped.append(replace(r, ids=ids, max_tokens=mt))
-    return shaped, cut
 
 
 async def _one(
@@ -417,107 +259,38 @@ def write_report(out: Path, summary: dict[str, Any], results: Sequence[LiveResul
     return files
 
 
-def build_requests(
-    *,
-    trace: Path | None = None,
-    trace_format: str | None = None,
-    scenario: str | None = None,
-    limit: int | None = None,
-    time_scale: float = 1.0,
-    length_scale: float = 1.0,
-    rate: float | None = None,
-    max_tokens: int = 16,
-    vocab: int = 1000,
-    seed: int = 0,
-    max_model_len: int | None = None,
-) -> tuple[list[LiveRequest], int]:
-    """The requests of a trace or scenario, shaped (see the module docstring); also how many
-    prompts were cut to fit ``max_model_len`` less their output."""
-    if (trace is None) == (scenario is None):
-        raise ValueError("give exactly one of --trace or --scenario")
-    if trace is not None:
-        if trace_format is None:
-            raise ValueError("--trace needs --trace-format (mooncake or azure)")
-        reqs = trace_requests(load_trace(trace, trace_format, limit), vocab, seed)
-    else:
-        assert scenario is not None
-        reqs = scenario_requests(scenario, vocab, seed, max_tokens, quick=bool(limit))
-    room = None
-    if max_model_len is not None and reqs:
-        room = max_model_len - max(r.max_tokens for r in reqs) - 1
-    return shape(
-        reqs,
-        limit=limit,
-        time_scale=time_scale,
-        length_scale=length_scale,
-        rate=rate,
-        max_prompt_tokens=room,
-        seed=seed,
-    )
-
-
 def run(
     endpoint: str,
     out: Path,
+    workload: ReplayWorkload,
     *,
-    trace: Path | None = None,
-    trace_format: str | None = None,
-    scenario: str | None = None,
-    limit: int | None = None,
-    time_scale: float = 1.0,
-    length_scale: float = 1.0,
-    concurrency: int | None = None,
-    rate: float | None = None,
     model: str | None = None,
     key: str | None = None,
-    max_tokens: int = 16,
-    vocab: int = 1000,
-    seed: int = 0,
     progress: bool = True,
 ) -> dict[str, Any]:
-    """Replay and write ``out/summary.json``, ``out/results.json`` and the report; the summary."""
-    if (trace is None) == (scenario is None):
-        raise ValueError("give exactly one of --trace or --scenario")
-    if concurrency is not None and rate is not None:
-        raise ValueError("give at most one of --concurrency or --rate")
-    if concurrency is not None and concurrency < 1:
-        raise ValueError(f"concurrency must be >= 1, got {concurrency}")
+    """Replay ``workload`` and write ``out/summary.json``, ``out/results.json`` and the report;
+    the summary."""
+    workload.check()
     endpoint = endpoint.rstrip("/")
     listed, max_len = max_model_len(endpoint, key)
     model = model or listed or "default"
-    shaped, cut = build_requests(
-        trace=trace,
-        trace_format=trace_format,
-        scenario=scenario,
-        limit=limit,
-        time_scale=time_scale,
-        length_scale=length_scale,
-        rate=rate,
-        max_tokens=max_tokens,
-        vocab=vocab,
-        seed=seed,
-        max_model_len=max_len,
-    )
+    shaped, cut = build_requests(workload, max_model_len=max_len)
     from tqdm import tqdm
 
     bar = tqdm(total=len(shaped), desc="live replay", unit="req", disable=not progress)
     results, wall = asyncio.run(
-        replay(endpoint, shaped, model=model, key=key, concurrency=concurrency, progress=bar.update)
+        replay(
+            endpoint,
+            shaped,
+            model=model,
+            key=key,
+            concurrency=workload.concurrency,
+            progress=bar.update,
+        )
     )
     bar.close()
     summary = summarize(endpoint, results, wall)
-    summary |= {
-        "model": model,
-        "workload": str(trace) if trace is not None else scenario,
-        "shaping": {
-            "limit": limit,
-            "time_scale": time_scale,
-            "length_scale": length_scale,
-            "rate": rate,
-            "concurrency": concurrency,
-            "prompts_cut_to_fit": cut,
-        },
-    }
+    summary |= {"model": model, "workload": workload.name, "shaping": workload.shaping(cut)}
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     (out / "results.json").write_text(json.dumps([asdict(r) for r in results]))

@@ -82,7 +82,7 @@ request reached that role (it was starting then, or was started afterwards); ``a
 has none. It also counts a request that a new replica took from a queue an old replica
 would have reached soon after: an upper bound. ``from_zero_fraction``: requests that
 reached a role with no running replica; ``two_cold_starts_fraction``: requests that waited
-on a cold start in both roles. TTFT STATS (s, :func:`bench.stats.summarize`).
+on a cold start in both roles. TTFT STATS (s, :func:`bench.report.stats.summarize`).
 ``replica_seconds``: the sum over roles of the time replicas were starting, running or
 draining within ``[0, duration_s]`` (the workload's span; requests still in flight at the
 end finish, but the time after it is not counted, so every policy is charged over the
@@ -107,8 +107,9 @@ from typing import Any, Protocol
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
-from bench.stats import summarize
-from bench.traces import TraceRequest, load_azure
+from bench import DATA_DIR
+from bench.report.stats import summarize
+from bench.workloads.traces import TraceRequest, load_azure
 from controllers.autoscale import (
     AutoscaleConfig,
     AutoscaleState,
@@ -119,7 +120,7 @@ from controllers.autoscale import (
 
 ROLES: tuple[str, ...] = ("prefill", "decode")
 POLICY_NAMES = ("always_on", "serve_default", "serverlessllm", "warm_pool")
-DATA = Path(__file__).resolve().parent / "data"
+DATA = DATA_DIR
 AZURE_CONV = DATA / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv"
 SERVEGEN = DATA / "servegen"
 SERVEGEN_WINDOW_S = 600.0

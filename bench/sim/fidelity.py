@@ -17,7 +17,7 @@ Calibration fits only the *workload and the engine model*, never the policy unde
   the grid in stop 34: it sets the baselines' TTFT tail under Eq. (1)), whether the
   serverless pool starts warm (do cold starts enter TTFT), and how TTFT is counted
   (``ttft_eq1``: 0, from arrival; 1, the paper's own Eq. (1), the cold start plus the
-  steps from the admission step, see :mod:`bench.decode_sim`), fitted on FCFS, DynamicBatch and ServerlessLLM
+  steps from the admission step, see :mod:`bench.sim.decode`), fitted on FCFS, DynamicBatch and ServerlessLLM
   (:data:`TWP_TARGETS`, the paper's Fig. 5 and Fig. 7). The accounting is a measurement
   choice, not a policy parameter: it is chosen on the baselines like the rest, and the
   report prints every policy's TTFT both ways.
@@ -182,7 +182,7 @@ def _stat(block: dict[str, Any], t: Target, params: dict[str, float]) -> float |
 
 
 def prefill_profile() -> EngineProfile:
-    from bench.profiles import load_profile
+    from bench.sim.profiles import load_profile
 
     return load_profile("a6000_llama31_8b")
 
@@ -191,7 +191,7 @@ def decode_profile(alpha_s: float | None = None, prefill_scale: float = 1.0) -> 
     """The TWP paper's modelled V100 profile; ``alpha_s`` replaces its decode slope beyond
     ``B0`` and ``prefill_scale`` multiplies its per-token prefill cost (``l_min / 512``, a
     guess from the paper's "a long prompt can double ITL", not a published figure)."""
-    from bench.profiles import load_profile
+    from bench.sim.profiles import load_profile
 
     prof = load_profile("v100_llama32_3b")
     if alpha_s is not None:
@@ -211,7 +211,7 @@ def decode_profile(alpha_s: float | None = None, prefill_scale: float = 1.0) -> 
 def _run_prefill(
     work: Any, prof: EngineProfile, seed: int, policies: Sequence[str]
 ) -> tuple[dict[str, Any], Any, Any]:
-    from bench.prefill_report import run_workload
+    from bench.report.prefill import run_workload
 
     rep, runs = run_workload(work, list(policies), prof, seed=seed, progress=False)
     return rep, runs, work
@@ -221,7 +221,7 @@ def run_spike(
     seed: int, params: dict[str, float], policies: Sequence[str], quick: bool = False
 ) -> tuple[dict[str, Any], Any, Any]:
     """The sec-spike workload at ``params`` on one seed: (report, raw runs, workload)."""
-    from bench.prefill_scenarios import sec_spike_paper_workload
+    from bench.workloads.prefill_scenarios import sec_spike_paper_workload
 
     prof = prefill_profile()
     work = sec_spike_paper_workload(seed, quick, prof, params)
@@ -229,7 +229,7 @@ def run_spike(
 
 
 #: Half-width of the step-cost band the spike's target counts are reported over (see
-#: :data:`bench.engine_replay.BAND_REL`: a well-fitted step cost prices each policy's
+#: :data:`bench.engine.replay.BAND_REL`: a well-fitted step cost prices each policy's
 #: steps within about 2%). Nine evenly spaced points; the workload is built once, at the
 #: calibrated profile, so only the engine's speed moves, not the arrivals.
 SPIKE_BAND_REL = 0.02
@@ -247,8 +247,8 @@ def spike_band(
     """The spike's six targets with every step ``1 - rel`` to ``1 + rel`` times as long:
     per point, each policy's count; ``fairway`` and ``best_baseline``: ``[fewest, most]``
     over the points (the baseline with the most targets at each point)."""
-    from bench.prefill_report import band_factors, run_workload
-    from bench.prefill_scenarios import sec_spike_paper_workload
+    from bench.report.prefill import band_factors, run_workload
+    from bench.workloads.prefill_scenarios import sec_spike_paper_workload
 
     prof = prefill_profile()
     work = sec_spike_paper_workload(seed, quick, prof, params)
@@ -272,7 +272,7 @@ def spike_band(
 def run_flood(
     seed: int, params: dict[str, float], policies: Sequence[str], quick: bool = False
 ) -> tuple[dict[str, Any], Any, Any]:
-    from bench.prefill_scenarios import flood_paper_workload
+    from bench.workloads.prefill_scenarios import flood_paper_workload
 
     prof = prefill_profile()
     work = flood_paper_workload(seed, quick, prof, params)
@@ -281,8 +281,8 @@ def run_flood(
 
 def _decode_setup(params: dict[str, float]) -> tuple[EngineProfile, Any]:
     """The fitted decode engine model and the simulator config (warm containers)."""
-    from bench.decode_sim import DecodeSimConfig
-    from bench.serverless_pool import PoolConfig
+    from bench.sim.decode import DecodeSimConfig
+    from bench.sim.serverless_pool import PoolConfig
 
     cfg = DecodeSimConfig(pool=PoolConfig(warm_at_start=int(params["warm"])))
     return decode_profile(params["alpha_s"], float(params.get("prefill_scale", 1.0))), cfg
@@ -292,7 +292,7 @@ def run_twp(
     seed: int, params: dict[str, float], policies: Sequence[str], quick: bool = False
 ) -> tuple[dict[str, Any], Any, None]:
     """TWP's headline run (``paper`` scenario, colocated) on the fitted engine model."""
-    from bench.decode_sim import Experiment, run_experiment
+    from bench.sim.decode import Experiment, run_experiment
 
     prof, cfg = _decode_setup(params)
     exp = Experiment("paper", policies=tuple(policies), seed=seed, runs=1, quick=quick)
@@ -539,7 +539,7 @@ TWP_BASELINES = ("fcfs", "round_robin", "priority", "dynamic_batch", "serverless
 def twp_rows(reports: dict[int, dict[str, Any]]) -> list[list[str]]:
     """TWP's headline run: Fig. 5 / Fig. 7 values, then the paper's consistent directions.
 
-    TTFT is printed both ways (:mod:`bench.decode_sim`): by the paper's Eq. (1) and from
+    TTFT is printed both ways (:mod:`bench.sim.decode`): by the paper's Eq. (1) and from
     arrival; the two differ by the wait before admission, which is TWP's own doing."""
     paper_p50 = {
         "fcfs": 49,
@@ -604,7 +604,7 @@ def run_twp_loads(
     seed: int, params: dict[str, float], quick: bool = False, runs: int = 3
 ) -> dict[str, dict[str, Any]]:
     """TWP's Table I: the four synthetic loads on the fitted engine model (``runs`` each)."""
-    from bench.decode_sim import Experiment, run_experiment
+    from bench.sim.decode import Experiment, run_experiment
 
     prof, cfg = _decode_setup(params)
     out = {}
@@ -684,9 +684,9 @@ def fidelity_report(
 ) -> dict[str, Any]:
     """Run the calibrated experiments on ``seeds`` with every policy; write
     ``fidelity.md``, ``fidelity.json`` and the plots to ``out_dir``; return the JSON."""
-    from bench.decode_sim import plot as decode_plot
-    from bench.prefill_report import DEFAULT_POLICIES
-    from bench.prefill_report import plot as prefill_plot
+    from bench.report.prefill import DEFAULT_POLICIES
+    from bench.report.prefill import plot as prefill_plot
+    from bench.sim.decode import plot as decode_plot
 
     out_dir.mkdir(parents=True, exist_ok=True)
     prefill_pols = list(DEFAULT_POLICIES)
@@ -735,7 +735,7 @@ def fidelity_report(
         f"Seeds {', '.join(map(str, seeds))} (calibration used {CALIBRATION_SEEDS}); "
         f"{'quick (short phases) ' if quick else ''}run by `pdserve sim fidelity`. "
         "Workload and engine parameters as calibrated on the baselines only "
-        "(`bench/fidelity.py`); Fairway and TWP frozen at the papers' values.",
+        "(`bench/sim/fidelity.py`); Fairway and TWP frozen at the papers' values.",
         "",
         f"- spike: `{params['spike']}`",
         f"- flood: `{params['flood']}`",
@@ -794,7 +794,7 @@ def calibration_markdown(cal: dict[str, Any], top: int = 5) -> str:
 
 def frozen_params(experiment: str) -> dict[str, float]:
     """The parameters the report runs ``experiment`` with (frozen in the code)."""
-    from bench.prefill_scenarios import FLOOD_CALIBRATED, SEC_SPIKE_CALIBRATED
+    from bench.workloads.prefill_scenarios import FLOOD_CALIBRATED, SEC_SPIKE_CALIBRATED
 
     return dict(
         {"spike": SEC_SPIKE_CALIBRATED, "flood": FLOOD_CALIBRATED, "twp": TWP_CALIBRATED}[

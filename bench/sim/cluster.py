@@ -1,6 +1,6 @@
 """N simulated prefill replicas behind the router (simulated, not measured).
 
-Each replica is a :class:`bench.prefill_sim.PrefillEngine` with its own queue policy and
+Each replica is a :class:`bench.sim.prefill.PrefillEngine` with its own queue policy and
 its own block cache (``cache_blocks`` each). The router is :func:`controllers.routing.route`,
 the same pure function the Ray Serve router calls, driven here by a discrete-event loop:
 
@@ -27,14 +27,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.prefill_sim import (
+from bench.report.stats import summarize
+from bench.sim.prefill import (
     BlockCache,
     EngineConfig,
     FinishedRequest,
     PrefillEngine,
     SimRequest,
 )
-from bench.stats import summarize
 from controllers.config import FairwayConfig
 from controllers.prefill import make_prefill_policy
 from controllers.profile import EngineProfile

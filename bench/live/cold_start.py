@@ -20,7 +20,7 @@ import httpx
 import yaml
 from tqdm import tqdm
 
-from bench.warm_start import pdserve_cli, ttft
+from bench.live.warm_start import pdserve_cli, ttft
 
 
 def run(

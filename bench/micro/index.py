@@ -32,7 +32,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from bench.stats import summarize
+from bench.report.stats import summarize
 from cluster.events import BlockRemoved, BlockStored, KVEventBatch, encode_batch
 from cluster.feed import KVEventFeed, ReplicaFeed
 from cluster.index import IndexConfig, PrefixIndex, make_index

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.stats import summarize
+from bench.report.stats import summarize
 
 
 def _preemptions(llm: Any) -> float | None:
@@ -136,23 +136,20 @@ def run_kv_pressure(
     """Start an engine whose KV cache holds ``fit`` full-length requests, then
     :func:`kv_pressure` on it."""
     from engines.launch import EngineLaunch
-    from engines.runtime import make_llm
+    from engines.session import llm_session
 
     if fit < 1:
         raise ValueError(f"fit must be >= 1, got {fit}")
     block = int(EngineLaunch.model_fields["block_size"].default)  # what make_llm runs
     per_req = -(-(prompt_tokens + output_tokens) // block)
     kv_blocks = fit * per_req
-    llm = make_llm(
+    with llm_session(
         model_dir,
         cache_dir=cache_dir,
-        scheduler_cls="engines.scheduler.FairwayScheduler",
-        pdserve={"prefill_policy": "fcfs"},
         kv_blocks=kv_blocks,
         max_model_len=prompt_tokens + output_tokens + 16,
         max_num_seqs=max(max(caps), requests),
-    )
-    try:
+    ) as llm:
         actual = int(llm.llm_engine.vllm_config.cache_config.block_size)
         out = kv_pressure(
             llm,
@@ -162,8 +159,6 @@ def run_kv_pressure(
             output_tokens=output_tokens,
             progress=progress,
         )
-    finally:
-        llm.llm_engine.engine_core.shutdown()
     out.update(
         {
             "kv_blocks": kv_blocks,

@@ -31,49 +31,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.workloads.rag import Arrival, RagMix, rag_mix
 from controllers.stats import summarize
 
 APP = "pdbench"
-
-
-@dataclass(frozen=True)
-class RagMix:
-    """The shared-document RAG mix (see the module docstring)."""
-
-    requests: int = 120
-    documents: int = 16
-    doc_blocks: int = 12
-    question_tokens: int = 96
-    zipf_s: float = 1.1
-    rate: float = 3.0
-    max_tokens: int = 16
-    block_size: int = 128
-    seed: int = 0
-
-
-@dataclass(frozen=True)
-class Arrival:
-    at_s: float
-    doc: int
-    ids: list[int]
-
-
-def rag_mix(mix: RagMix, vocab: int) -> list[Arrival]:
-    """The request sequence: arrival offsets (s), document index, prompt token ids."""
-    rng = random.Random(mix.seed)
-    docs = [
-        [rng.randrange(10, vocab) for _ in range(mix.doc_blocks * mix.block_size)]
-        for _ in range(mix.documents)
-    ]
-    weights = [1.0 / (k + 1) ** mix.zipf_s for k in range(mix.documents)]
-    out = []
-    t = 0.0
-    for _ in range(mix.requests):
-        t += rng.expovariate(mix.rate)
-        d = rng.choices(range(mix.documents), weights)[0]
-        q = [rng.randrange(10, vocab) for _ in range(mix.question_tokens)]
-        out.append(Arrival(t, d, docs[d] + q))
-    return out
 
 
 @dataclass
@@ -222,18 +183,22 @@ def run(
     policies: list[str],
     mix: RagMix,
     *,
+    build_app: Callable[[dict[str, Any]], Any],
     overhead_streams: int = 8,
     overhead_requests: int = 40,
     port: int = 8765,
     progress: Callable[[str, int], Callable[[int], None]] | None = None,
 ) -> dict[str, Any]:
-    """Deploy the app once per policy, replay ``mix`` against it, and summarize (see module)."""
+    """Deploy the app once per policy, replay ``mix`` against it, and summarize (see module).
+
+    ``build_app`` is the application builder a Serve config names (``import_path:
+    deployments.app:build_app``), handed in by the caller, so that the benchmark reaches the
+    app only through it, its config and its HTTP routes."""
     import os
 
     import ray
     from ray import serve
 
-    from deployments.app import build_app
     from deployments.config import load_app_config
 
     cfg = load_app_config(app_args)

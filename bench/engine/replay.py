@@ -29,9 +29,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from bench.prefill_report import band_factors, policy_report, six_targets
-from bench.prefill_scenarios import Workload
-from bench.prefill_sim import EngineConfig, RunResult, simulate
+from bench.report.prefill import band_factors, policy_report, six_targets
+from bench.sim.prefill import EngineConfig, RunResult, simulate
+from bench.workloads.prefill_scenarios import Workload
 from controllers.profile import EngineProfile, StepCost
 from engines.profiler import fit_step_cost_steps
 
@@ -76,7 +76,7 @@ def _warm(work: Workload, vocab: int) -> list[list[int]]:
 
 def _result_from_ttfts(work: Workload, ttft: dict[str, float]) -> RunResult:
     """A :class:`RunResult` over measured TTFTs, so the simulator's report code applies."""
-    from bench.prefill_sim import FinishedRequest
+    from bench.sim.prefill import FinishedRequest
 
     fin = [
         FinishedRequest(
@@ -259,7 +259,7 @@ def rebuild_workload(res: dict[str, Any]) -> Workload:
     """The workload a stored replay (``bench replay --json``) ran: its scenario and seed
     built at the profile it used (``quick`` as stored; replays written before stop 35 did
     not store it, and then the form whose request count matches is taken)."""
-    from bench.prefill_scenarios import build_scenario
+    from bench.workloads.prefill_scenarios import build_scenario
 
     prof = EngineProfile.model_validate(res["profile_used"])
     for quick in [res["quick"]] if "quick" in res else [False, True]:
@@ -449,26 +449,24 @@ def run_engine_replay(
 ) -> dict[str, Any]:
     """Start one in-process engine (KV capped at the workload's cache) and :func:`replay`."""
     from engines.config import EngineSchedulerConfig
-    from engines.runtime import live_scheduler, make_llm
+    from engines.runtime import live_scheduler
+    from engines.session import llm_session
 
     longest = max(r.prompt_tokens for r in work.requests)
-    llm = make_llm(
+    with llm_session(
         model_dir,
         cache_dir=cache_dir,
-        scheduler_cls="engines.scheduler.FairwayScheduler",
-        pdserve={"prefill_policy": "fcfs"},
         kv_blocks=work.cache_blocks,
         max_model_len=max(4096, longest + 16),
         max_num_batched_tokens=token_budget,
         max_num_seqs=max_running,
-    )
-    sched = live_scheduler(llm)
+    ) as llm:
+        sched = live_scheduler(llm)
 
-    def configure(policy: str) -> None:
-        sched.configure(EngineSchedulerConfig(prefill_policy=policy, profile=profile))
-        llm.reset_prefix_cache()
+        def configure(policy: str) -> None:
+            sched.configure(EngineSchedulerConfig(prefill_policy=policy, profile=profile))
+            llm.reset_prefix_cache()
 
-    try:
         return replay(
             llm,
             work,
@@ -481,5 +479,3 @@ def run_engine_replay(
             progress=progress,
             band_rel=band_rel,
         )
-    finally:
-        llm.llm_engine.engine_core.shutdown()

@@ -9,13 +9,13 @@ for a seed.
   run to ~180 tokens, so medium and long prompts are few-shot prompts (``"Question: ...
   Answer: ..."`` pairs of other rows, then the question), as GSM8K is commonly prompted.
   The output length is the token count of the target question's answer. Token counts use
-  the project's tokenizer (:func:`bench.tokenizer.count_tokens`).
+  the project's tokenizer (:func:`bench.workloads.tokenizer.count_tokens`).
 - ``low`` / ``medium`` / ``high`` / ``burst``: prompts {50, 200, 800} and outputs
   {20, 50, 200} tokens, each drawn independently with probabilities {0.5, 0.3, 0.2};
   Poisson arrivals at 0.3 / 0.6 / 0.9 x a reference rate (the simulator passes FCFS's
   saturated rate), ``burst`` at 0.5 x with bursts at 2x the base rate for 10 s in every
   30 s.
-- :func:`from_trace`: Azure / Mooncake traces (:mod:`bench.traces`), arrivals rescaled so
+- :func:`from_trace`: Azure / Mooncake traces (:mod:`bench.workloads.traces`), arrivals rescaled so
   the mean rate is a given target.
 
 Choices: 4 tenants (``t0``-``t3``) drawn uniformly per request with the same mix (the
@@ -34,10 +34,11 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.tokenizer import count_tokens, count_tokens_batch
-from bench.traces import TraceRequest
+from bench import DATA_DIR
+from bench.workloads.tokenizer import count_tokens, count_tokens_batch
+from bench.workloads.traces import TraceRequest
 
-GSM8K_FILE = Path(__file__).parent / "data" / "gsm8k" / "test.jsonl"
+GSM8K_FILE = DATA_DIR / "gsm8k" / "test.jsonl"
 SCENARIOS = ("paper", "low", "medium", "high", "burst")
 SYNTHETIC_LOAD = {"low": 0.3, "medium": 0.6, "high": 0.9, "burst": 0.5}
 N_TENANTS = 4

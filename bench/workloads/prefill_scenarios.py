@@ -62,13 +62,13 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.prefill_sim import EngineConfig, SimRequest, fcfs_capacity, reusable_blocks
-from bench.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
+from bench import DATA_DIR
+from bench.sim.prefill import EngineConfig, SimRequest, fcfs_capacity, reusable_blocks
+from bench.workloads.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest
 from controllers.profile import EngineProfile
 
 Segment = tuple[int, int]  # (segment id, tokens)
 SYSTEM_SEGMENT: Segment = (0, 64)
-DATA_DIR = Path(__file__).parent / "data"
 
 
 @dataclass(frozen=True)
@@ -374,7 +374,7 @@ SEC_SPIKE_PHASES = [("calm", 120.0, 0.5), ("burst", 120.0, 0.9), ("spike", 60.0,
 #: ``sec-spike-paper``: the sec-spike workload with its free parameters fitted so that the
 #: baselines (FCFS, LPM, RAGCache; never Fairway) land in the Fairway paper's published
 #: ranges on calibration seeds 1 and 2 (``pdserve sim fidelity --calibrate``; the grid, the
-#: targets and the log are in :mod:`bench.fidelity` and ``docs/fidelity.md``).
+#: targets and the log are in :mod:`bench.sim.fidelity` and ``docs/fidelity.md``).
 SEC_SPIKE_CALIBRATED: dict[str, float] = {
     "burst_load": 0.8,
     "spike_load": 1.2,
@@ -873,7 +873,7 @@ def write_musique_tokens(src: str | Path, out: str | Path = MUSIQUE_FILE) -> Pat
     Keeps token counts only (the project's tokenizer): the distinct passages (``title. text``)
     in order of first appearance, and per question its passage indices and question tokens.
     """
-    from bench.tokenizer import count_tokens_batch
+    from bench.workloads.tokenizer import count_tokens_batch
 
     data = json.loads(Path(src).read_text(encoding="utf-8"))
     index: dict[str, int] = {}
