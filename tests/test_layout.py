@@ -91,7 +91,7 @@ def _imported(node: ast.AST, module: str, is_package: bool) -> list[str]:
 
 def _imports(path: Path, module_level_only: bool = False) -> list[str]:
     """Every module ``path`` imports (``module_level_only``: those imported when the module
-    is, i.e. not inside a function body)."""
+    is, i.e. not inside a function body nor under ``if TYPE_CHECKING:``, which never runs)."""
     module = _module_name(path)
     is_package = path.name == "__init__.py"
     out: list[str] = []
@@ -100,11 +100,22 @@ def _imports(path: Path, module_level_only: bool = False) -> list[str]:
         for child in ast.iter_child_nodes(node):
             if module_level_only and isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
+            if module_level_only and _type_checking_only(child):
+                continue
             out.extend(_imported(child, module, is_package))
             visit(child)
 
     visit(ast.parse(path.read_text()))
     return out
+
+
+def _type_checking_only(node: ast.AST) -> bool:
+    """``if TYPE_CHECKING:`` (annotations only: the imports under it never run)."""
+    if not isinstance(node, ast.If):
+        return False
+    test = node.test
+    name = test.id if isinstance(test, ast.Name) else getattr(test, "attr", None)
+    return name == "TYPE_CHECKING"
 
 
 def _module_name(path: Path) -> str:
@@ -217,7 +228,8 @@ def test_no_import_cycle_inside_a_package(pkg: str) -> None:
     ``a -> b`` when module ``a`` imports module ``b`` of the same package when ``a`` is
     imported (module level, including class bodies and ``if`` blocks); imports inside a
     function body are left out: they run later, once every module is loaded, which is how a
-    module may call back into one that imports it."""
+    module may call back into one that imports it; so are those under ``if TYPE_CHECKING:``
+    (they name a type for annotations and never run)."""
     files = {_module_name(p): p for p in (ROOT / pkg).rglob("*.py")}
     graph = {
         mod: {n for n in _imports(path, module_level_only=True) if n in files and n != mod}
