@@ -51,14 +51,15 @@ import os
 import pickle
 from collections.abc import Callable, Sequence
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 HashAlgo = Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
-"""The values of vLLM's ``prefix_caching_hash_algo``."""
+"""The values of vLLM's ``prefix_caching_hash_algo`` (``engines.launch.HashAlgo`` lists them too:
+neither layer may import the other; a unit test keeps the two lists equal)."""
 
-SUPPORTED_ALGOS: tuple[str, ...] = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+SUPPORTED_ALGOS: tuple[str, ...] = get_args(HashAlgo)
 DEFAULT_NONE_HASH_SEED = "vllm-none-hash"
 """vLLM's seed of ``NONE_HASH`` for SHA-256 when ``PYTHONHASHSEED`` is unset."""
 
@@ -75,7 +76,12 @@ class HashMode(StrEnum):
 
 
 class HashConfig(BaseModel):
-    """How block hashes are computed; must equal the engines' settings in ``engine`` mode."""
+    """How block hashes are computed; must equal the engines' settings in ``engine`` mode.
+
+    The one definition of the hashing parameters: the app's ``hashing`` section
+    (:class:`deployments.config.hashing.HashingConfig`) is this model narrowed to what a
+    deployment gives its engines, and the engines receive the same values as
+    :class:`engines.launch.EngineLaunch`'s ``hash_algo``, ``hash_seed`` and ``block_size``."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 

@@ -44,13 +44,25 @@ Clock = Callable[[], float]
 
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
+#: Where an index lives: embedded in one process, or shared in Redis.
+IndexBackend = Literal["memory", "redis"]
+
 
 class IndexConfig(BaseModel):
-    """Where the index lives and how it is namespaced."""
+    """Where the index lives and how it is namespaced: one process's connection to one pool's
+    index, resolved (its namespace, its credentials with the password itself, its socket
+    settings).
+
+    Not the app's ``index`` section (:class:`deployments.config.index.IndexConfig`), which is
+    the user's side: it says where the index lives and how long to wait for it, names each
+    role's Redis user with the file of its password, and refuses a password in the URL; its
+    ``cluster_config`` builds this one for each process. They share the name and no fields'
+    meaning beyond ``backend``, ``redis_url`` and ``liveness_ttl_s``, whose defaults differ
+    (the app's Redis is on 6380, away from a Ray head's 6379)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    backend: Literal["memory", "redis"] = Field(
+    backend: IndexBackend = Field(
         default="memory", description="'memory' (embedded, one process) or 'redis' (shared)."
     )
     redis_url: str = Field(

@@ -304,6 +304,24 @@ def rank_decode(
     return [d.replica_id for d in sorted(fits, key=key)]
 
 
+def prefill_on_decode(
+    uncached_tokens: int, threshold: int, needs_prefill_output: bool = False
+) -> bool:
+    """Conditional disaggregation (``routing.local_prefill_threshold_tokens``; 0 turns it off):
+    a prompt whose uncached part is shorter than ``threshold`` is prefilled on its decode
+    replica (no prefill call, no KV transfer; mode ``decode_local``): for a short prompt the
+    hand-off costs more than the compute, as llm-d and Dynamo decide. A request that needs
+    the prefill's own output (``echo``, prompt logprobs: ``needs_prefill_output``) always goes
+    through a prefill replica.
+
+    The one rule for both callers, who count the uncached part as each can: the cluster
+    simulator (:func:`route`) at the best prefill replica; the live ingress
+    (:mod:`deployments.ingress.route`) counts the whole prompt, because what matters there is
+    the decode replica's own cache, which does not feed the prefix index (so a long prompt
+    that is nearly fully cached on the decode replica is not sent decode-local)."""
+    return threshold > 0 and not needs_prefill_output and uncached_tokens < threshold
+
+
 def route(
     state: RouterState,
     req: RouteRequest,
@@ -321,7 +339,8 @@ def route(
         if d_id is None:
             return state.count("hold"), RouteDecision(None, None, "hold", d_reason)
     state, p_id, reason, matched, score = choose_prefill(state, req, prefill, matches, cfg, now)
-    if d_id is not None and req.prompt_tokens - matched < cfg.local_prefill_threshold_tokens:
+    uncached = req.prompt_tokens - matched
+    if d_id is not None and prefill_on_decode(uncached, cfg.local_prefill_threshold_tokens):
         return state.count("decode_local"), RouteDecision(
             None, d_id, "decode_local", "short_uncached", matched, score
         )

@@ -15,7 +15,6 @@ from __future__ import annotations
 import fcntl
 from typing import Any
 
-from fastapi import Request
 from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
@@ -23,77 +22,7 @@ from ray.serve.config import RequestRouterConfig
 from deployments.autoscaling import serve_autoscaling_config
 from deployments.config import AppConfig, Role, live_defaults, load_app_config
 from deployments.engine import EngineReplica
-from deployments.ingress import IngressCore, api
-from deployments.openai_api import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    DetokenizeRequest,
-    TokenizeChatRequest,
-    TokenizeCompletionRequest,
-)
-
-
-@serve.deployment(name="ingress")
-@serve.ingress(api)
-class Ingress:
-    """FastAPI ingress; see :mod:`deployments.ingress`."""
-
-    def __init__(self, config: dict[str, Any], prefill: Any, decode: Any) -> None:
-        ctx = serve.get_replica_context()
-        self.core = IngressCore(config, prefill, decode, ctx.app_name, ctx.replica_id.unique_id)
-
-    def reconfigure(self, user_config: dict[str, Any]) -> None:
-        """Serve's ``user_config`` (routing parameters, live; see ``IngressCore.reconfigure``)."""
-        self.core.reconfigure(user_config)
-
-    @api.post("/v1/completions")
-    async def completions(self, request: Request, body: CompletionRequest) -> Any:
-        return await self.core.complete(request, body)
-
-    @api.post("/v1/chat/completions")
-    async def chat_completions(self, request: Request, body: ChatCompletionRequest) -> Any:
-        return await self.core.complete(request, body)
-
-    @api.post("/tokenize")
-    async def tokenize(
-        self, request: Request, body: TokenizeCompletionRequest | TokenizeChatRequest
-    ) -> Any:
-        return await self.core.tokenize(request, body)
-
-    @api.post("/detokenize")
-    async def detokenize(self, request: Request, body: DetokenizeRequest) -> Any:
-        return await self.core.detokenize(request, body)
-
-    async def inject_routing_hold(self, role: str, seconds: float) -> str:
-        """Fault injection (the role's ``fault_injection: true`` only): see
-        ``IngressCore.inject_routing_hold``. A handle call, not an HTTP route."""
-        return self.core.inject_routing_hold(role, seconds)
-
-    @api.get("/v1/models")
-    async def models(self) -> Any:
-        return self.core.models()
-
-    @api.get("/health")
-    async def health(self) -> Any:
-        return await self.core.health()
-
-    @api.get("/v1/pdserve/stats")
-    async def stats(self) -> Any:
-        """Operator route (operator key): every replica, router, the index and the ingress."""
-        return await self.core.stats()
-
-    @api.post("/v1/pdserve/stats/reset")
-    async def stats_reset(self) -> Any:
-        """Operator route: the stats, then this ingress's overhead samples start afresh."""
-        return await self.core.stats(reset=True)
-
-    @api.post("/v1/pdserve/route")
-    async def route(
-        self, request: Request, body: CompletionRequest, tenant: str = "anonymous"
-    ) -> Any:
-        """Operator route: where ``tenant``'s request would be routed, without running it."""
-        return await self.core.explain(request, body, tenant)
-
+from deployments.ingress.http import Ingress
 
 Engine: Any = serve.deployment(EngineReplica, name="engine")
 

@@ -6,6 +6,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+# The engine's refusal of a request's parameters is raised by the engine runtimes
+# (engines/, which may not import deployments); it crosses this boundary as one of its types.
+from engines.refusal import EngineRefused as EngineRefused
+
 #: ``kv_transfer_params`` a prefill request carries so the producer keeps its KV for a remote
 #: decode (vLLM's NIXL protocol; the same dict vLLM's own PD proxy sends).
 PREFILL_KV_PARAMS: dict[str, Any] = {
@@ -35,21 +39,6 @@ def engine_extra_args(
     if kv_params:
         out["kv_transfer_params"] = dict(kv_params)
     return out or None
-
-
-class EngineRefused(ValueError):
-    """An engine replica refused a request's parameters before running it (vLLM's own checks:
-    ``logprobs`` above ``max_logprobs``, token ids outside the vocabulary, a schema the
-    structured-output backend cannot compile, ...). The ingress answers it with a 400 naming
-    ``param``; any other engine failure is a 502."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-
-    def __reduce__(self) -> tuple[Any, ...]:  # Ray pickles it back to the ingress
-        return (EngineRefused, (self.message, self.param))
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,9 @@
 A replica reads its engine's load and policy state and changes the policy's parameters
 through :func:`call` (``op``, ``args``), never by touching vLLM's objects itself:
 
-- under ``runtime: in_process`` (:class:`deployments.engine.InProcessEngine`) the replica runs
+- under ``runtime: in_process`` (:class:`engines.runtime.InProcessEngine`) the replica runs
   :func:`call` on its engine thread, between two steps;
-- under ``runtime: async_llm`` (:class:`deployments.engine.AsyncLLMEngine`) the scheduler
+- under ``runtime: async_llm`` (:class:`engines.runtime.AsyncLLMEngine`) the scheduler
   lives in vLLM's engine-core process. The replica sends the same call through vLLM's
   utility-call path (``AsyncLLM.engine_core.call_utility_async("pdserve_rpc", op, args)``),
   which vLLM's core runs between two steps as ``getattr(engine_core, "pdserve_rpc")(...)``.

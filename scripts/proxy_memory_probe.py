@@ -36,7 +36,7 @@ from typing import Any
 import typer
 from tqdm import tqdm
 
-from bench.soak import _open_loop, capacity, request_bodies, wait_idle
+from bench.live.soak import _open_loop, capacity, request_bodies, wait_idle
 
 cli = typer.Typer(add_completion=False)
 

@@ -1,6 +1,7 @@
 """Prefill waiting-queue orderings: Fairway and its baselines (pure)."""
 
 from controllers.prefill.base import (
+    LanedPolicy,
     PrefillPolicy,
     PrefillQueueView,
     PrefillRequestView,
@@ -17,6 +18,7 @@ from controllers.prefill.registry import (
 __all__ = [
     "Fairway",
     "FairwayPlan",
+    "LanedPolicy",
     "PrefillPolicy",
     "PrefillQueueView",
     "PrefillRequestView",

@@ -78,6 +78,21 @@ class ProtectingPolicy(PrefillPolicy, Protocol):
         ...
 
 
+class LanedPolicy(PrefillPolicy, Protocol):
+    """A policy that places each request through a named lane and says which (Fairway's
+    ``fast`` and ``fair`` lanes).
+
+    A capability a policy declares by having :meth:`order_with_lanes`; a mechanism that
+    reports placements (the engine plug-ins' admission records and per-step lane counts)
+    asks for it with ``getattr(policy, "order_with_lanes", None)``, as it asks for
+    ``observe_step``, never by the policy's type. Without it a policy's requests carry no lane.
+    """
+
+    def order_with_lanes(self, queue: PrefillQueueView, now: float) -> tuple[list[str], list[str]]:
+        """:meth:`order`'s ids and, for each, the name of the lane that placed it."""
+        ...
+
+
 def patience_s(
     prompt_tokens: int, profile: EngineProfile, config: FairwayConfig | None = None
 ) -> float:

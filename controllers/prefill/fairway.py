@@ -148,3 +148,8 @@ class Fairway:
 
     def order(self, queue: PrefillQueueView, now: float) -> list[str]:
         return self.plan(queue, now).order
+
+    def order_with_lanes(self, queue: PrefillQueueView, now: float) -> tuple[list[str], list[str]]:
+        """The order and each request's lane, ``fast`` or ``fair`` (:class:`LanedPolicy`)."""
+        plan = self.plan(queue, now)
+        return plan.order, ["fast" if lane == FAST else "fair" for lane in plan.lanes]

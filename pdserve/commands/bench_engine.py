@@ -34,8 +34,8 @@ def engine(
     """Real-engine TTFT per policy, hook overhead, and the simulator's calibration error."""
     from tqdm import tqdm
 
-    from bench.engine_bench import run_engine_bench
-    from bench.profiles import load_profile
+    from bench.engine.spike import run_engine_bench
+    from bench.sim.profiles import load_profile
     from controllers.prefill import prefill_policy_names
     from pdserve.output import csv_ints
 

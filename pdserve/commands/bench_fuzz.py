@@ -24,7 +24,7 @@ def fuzz_cmd(
     """Send schemathesis-generated requests to every operation; count statuses and 5xx.
 
     Exits 1 when any request got a 5xx, timed out or lost its connection."""
-    from bench.fuzz_api import fuzz
+    from bench.live.fuzz_api import fuzz
 
     picked = tuple(m.strip() for m in modes.split(",") if m.strip())
     bad = [m for m in picked if m not in ("positive", "negative")]

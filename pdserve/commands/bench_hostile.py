@@ -1,5 +1,5 @@
 """``pdserve bench hostile``: a victim tenant's latency alone and beside each class of
-hostile request (:mod:`bench.hostile`), on the live app."""
+hostile request (:mod:`bench.live.hostile`), on the live app."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def hostile_config(base: Path, out: Path) -> tuple[Path, dict[str, str]]:
     Returns the new YAML's path and the keys by role."""
     import yaml
 
-    from bench.hostile import ATTACKER_LIMITS, FLOOD_LIMITS
+    from bench.live.hostile import ATTACKER_LIMITS, FLOOD_LIMITS
     from cluster.tenants import OPERATOR, hash_key, new_key, write_keys_file
 
     raw = yaml.safe_load(base.read_text())
@@ -80,8 +80,8 @@ def bench_hostile(
     on and goes down at the end."""
     import yaml
 
-    from bench.hostile import ATTACKS, plot, run
-    from bench.warm_start import pdserve_cli
+    from bench.live.hostile import ATTACKS, plot, run
+    from bench.live.warm_start import pdserve_cli
 
     attacks = ATTACKS
     if classes is not None:

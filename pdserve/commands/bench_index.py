@@ -28,7 +28,7 @@ def index(
     plot: Path | None = typer.Option(None, "--plot", help="Write a latency CDF (PNG) here."),
 ) -> None:
     """Ingest vLLM-format KV events for BLOCKS blocks over REPLICAS replicas, then time lookups."""
-    from bench.index_bench import run
+    from bench.micro.index import run
 
     if backend not in ("memory", "redis"):
         raise typer.BadParameter("expected memory or redis", param_hint="--backend")

@@ -33,8 +33,8 @@ def kv_pressure(
     preemptions (the TWP paper's mechanism)? Measured; run under the heavy-work lock."""
     from tqdm import tqdm
 
-    from bench.kv_pressure import plot as draw
-    from bench.kv_pressure import rows, run_kv_pressure
+    from bench.engine.kv_pressure import plot as draw
+    from bench.engine.kv_pressure import rows, run_kv_pressure
 
     cap_list = csv_ints(caps, "--caps")
     if not cap_list or min(cap_list) < 1:

@@ -19,7 +19,7 @@ def ordering(
     json_out: Path | None = typer.Option(None, "--json", help="Write the results as JSON here."),
 ) -> None:
     """Median time of one ``order()`` call per step, at each queue size."""
-    from bench.ordering import run
+    from bench.micro.ordering import run
     from controllers.prefill import prefill_policy_names
 
     names = csv_known(policies, prefill_policy_names(), "policies", "--policies")

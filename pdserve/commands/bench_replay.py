@@ -49,9 +49,9 @@ def replay(
     the simulator's prediction of the same replay (run under the heavy-work lock)."""
     from tqdm import tqdm
 
-    from bench.engine_replay import run_engine_replay
-    from bench.prefill_scenarios import SCENARIOS, build_scenario
-    from bench.profiles import load_profile
+    from bench.engine.replay import run_engine_replay
+    from bench.sim.profiles import load_profile
+    from bench.workloads.prefill_scenarios import SCENARIOS, build_scenario
     from controllers.prefill import prefill_policy_names
 
     names = csv_known(policies, prefill_policy_names(), "policies", "--policies")
@@ -121,7 +121,7 @@ def replay(
     typer.echo(step_check_text(res["step_cost_check"]))
     write_json(json_out, res)
     if save_profile is not None:
-        from bench.engine_replay import refit_profile
+        from bench.engine.replay import refit_profile
 
         refit = refit_profile(prof, res["step_cost_check"], f"{scenario} seed {seed}")
         write_json(save_profile, refit.model_dump(mode="json"))
@@ -144,7 +144,7 @@ def replay_band(
     (SIMULATED; the engine's figures are the stored measurements; no engine runs)."""
     import json
 
-    from bench.engine_replay import band_of_stored, rebuild_workload
+    from bench.engine.replay import band_of_stored, rebuild_workload
 
     try:
         res = json.loads(json_in.read_text())

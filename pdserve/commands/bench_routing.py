@@ -77,8 +77,9 @@ def routing(
     """Replay one shared-document RAG mix against the live app under each routing policy."""
     from tqdm import tqdm
 
-    from bench.routing_bench import RagMix, ratios, run
-    from bench.routing_bench import plot as plot_cdf
+    from bench.live.routing import plot as plot_cdf
+    from bench.live.routing import ratios, run
+    from bench.workloads.rag import RagMix
 
     names = csv_known(policies, POLICIES, "routing policy", "--policies")
     if preset not in ("bench", "test"):
@@ -100,10 +101,13 @@ def routing(
         bars.append(bar)
         return bar.update
 
+    from deployments.app import build_app
+
     res = run(
         app_args(preset, prefill_replicas, cache_dir),
         names,
         mix,
+        build_app=build_app,
         overhead_streams=overhead_streams,
         progress=progress,
     )

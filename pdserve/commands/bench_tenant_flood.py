@@ -26,8 +26,9 @@ def bench_tenant_flood(
     progress: bool = typer.Option(True, help="Show a progress bar."),
 ) -> None:
     """B alone, then B beside A's flood under Fairway and inside the fair share (measured)."""
-    from bench.profiles import load_profile
-    from bench.tenant_flood import plot, run_engine_flood
+    from bench.engine.tenant_flood import run_engine_flood
+    from bench.sim.profiles import load_profile
+    from bench.sim.tenant_flood import plot
 
     path = model.expanduser()
     if not (path / "config.json").exists():

@@ -13,6 +13,7 @@ is where the application is built.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -23,8 +24,10 @@ from typing import Any
 
 import typer
 
+from bench.workloads.replay import ReplayWorkload
 from deployments.local import ensure_ray_token, local_env, venv_bin, with_allocator
 from pdserve.apps import app, bench_app
+from pdserve.options import replay_options
 
 DEFAULT_CONFIG = Path("configs/pd_default.yaml")
 
@@ -265,10 +268,6 @@ def _stop_local_redis() -> None:
             typer.echo(f"pdserve: stopped redis-server ({pidfile.stem})")
 
 
-#: Smallest vocabulary ``bench live`` draws prompt ids from (ids start at 10).
-LIVE_MIN_VOCAB = 16
-
-
 @bench_app.command("warm-start")
 def bench_warm_start(
     config: Path = typer.Option(DEFAULT_CONFIG, help="Serve YAML of the application."),
@@ -277,7 +276,7 @@ def bench_warm_start(
 ) -> None:
     """The first requests after /health says ready, with and without the pair warm-up
     (brings the app up and down twice; nothing else may run on port 8000)."""
-    from bench.warm_start import run
+    from bench.live.warm_start import run
     from pdserve.output import table, write_json
 
     if not config.exists():
@@ -313,7 +312,7 @@ def bench_cold_start(
     """Cold starts from zero replicas per model preset: the first request's TTFT, the seconds
     it waited for each role's replica to start, against warm requests (brings the app up and
     down once per preset; nothing else may run on port 8000)."""
-    from bench.cold_start import run, table
+    from bench.live.cold_start import run, table
     from pdserve.output import write_json
 
     if not config.exists():
@@ -339,7 +338,7 @@ def bench_serve(
     """PD vs conditional disaggregation vs colocated on the live app: TTFT, ITL and
     throughput at each concurrency (brings the app up and down once per mode; nothing else
     may run on its port)."""
-    from bench.serve_modes import MODES, run
+    from bench.live.serve_modes import MODES, run
     from pdserve.output import csv_numbers, table, write_json
 
     for path, hint in ((config, "--config"), (colocated_config, "--colocated-config")):
@@ -372,53 +371,25 @@ def bench_serve(
 
 
 @bench_app.command("live")
+@replay_options()
 def bench_live(
     endpoint: str = typer.Option(..., help="Base URL of an OpenAI-compatible endpoint."),
     out: Path = typer.Option(..., help="Folder for summary.json, results.json and the report."),
-    trace: Path | None = typer.Option(None, help="A trace file (with --trace-format)."),
-    trace_format: str | None = typer.Option(None, help="mooncake or azure."),
-    scenario: str | None = typer.Option(
-        None, help="rag, or a prefill-simulator scenario (sec-spike, flood, musique, ...)."
-    ),
-    limit: int | None = typer.Option(None, min=1, help="Replay only the first N requests."),
-    time_scale: float = typer.Option(1.0, help="Multiply arrival offsets (2: half the rate)."),
-    length_scale: float = typer.Option(1.0, help="Multiply prompt and output lengths."),
-    concurrency: int | None = typer.Option(
-        None, min=1, help="Closed loop: N clients (instead of the arrivals)."
-    ),
-    rate: float | None = typer.Option(None, help="Poisson arrivals at R requests/s."),
     model: str | None = typer.Option(None, help="Model name (default: the endpoint's first)."),
     key: str | None = typer.Option(None, help="API key (Authorization: Bearer)."),
-    max_tokens: int = typer.Option(16, min=1, help="Output tokens of scenario requests."),
-    vocab: int = typer.Option(1000, min=LIVE_MIN_VOCAB, help="Token ids drawn below this."),
-    seed: int = typer.Option(0, help="Seed of the prompts' ids and of --rate's arrivals."),
+    *,
+    workload: ReplayWorkload,
 ) -> None:
     """Replay a trace or scenario open-loop against a live endpoint (any OpenAI-compatible
     server): TTFT, ITL, end-to-end latency, throughput and cached-token ratio, with a report
     and plots in OUT."""
-    from bench.live import run
-    from bench.traces import TraceFormatError
+    from bench.live.replay import run
+    from bench.workloads.traces import TraceFormatError
 
-    if trace is not None and not trace.exists():
-        raise typer.BadParameter(f"{trace} does not exist", param_hint="--trace")
+    if workload.trace is not None and not workload.trace.exists():
+        raise typer.BadParameter(f"{workload.trace} does not exist", param_hint="--trace")
     try:
-        s = run(
-            endpoint,
-            out,
-            trace=trace,
-            trace_format=trace_format,
-            scenario=scenario,
-            limit=limit,
-            time_scale=time_scale,
-            length_scale=length_scale,
-            concurrency=concurrency,
-            rate=rate,
-            model=model,
-            key=key,
-            max_tokens=max_tokens,
-            vocab=vocab,
-            seed=seed,
-        )
+        s = run(endpoint, out, workload, model=model, key=key)
     except (ValueError, TraceFormatError) as e:
         raise typer.BadParameter(str(e)) from None
     t = s["ttft"]
@@ -430,6 +401,12 @@ def bench_live(
 
 
 @bench_app.command("compare")
+@replay_options(
+    scenario={
+        "default": "rag",
+        "help": "rag, or a prefill-simulator scenario (ignored with --trace).",
+    }
+)
 def bench_compare(
     out: Path = typer.Option(..., help="Folder for compare.json, report.md and the plots."),
     config: Path = typer.Option(
@@ -452,20 +429,8 @@ def bench_compare(
         ),
         help="Systems, comma-separated, brought up one at a time in this order.",
     ),
-    trace: Path | None = typer.Option(None, help="A trace file (with --trace-format)."),
-    trace_format: str | None = typer.Option(None, help="mooncake or azure."),
-    scenario: str | None = typer.Option(
-        "rag", help="rag, or a prefill-simulator scenario (ignored with --trace)."
-    ),
-    limit: int | None = typer.Option(None, min=1, help="Replay only the first N requests."),
-    time_scale: float = typer.Option(1.0, help="Multiply arrival offsets (2: half the rate)."),
-    length_scale: float = typer.Option(1.0, help="Multiply prompt and output lengths."),
-    concurrency: int | None = typer.Option(
-        None, min=1, help="Closed loop: N clients (instead of the arrivals)."
-    ),
-    rate: float | None = typer.Option(None, help="Poisson arrivals at R requests/s."),
-    max_tokens: int = typer.Option(16, min=1, help="Output tokens of scenario requests."),
-    seed: int = typer.Option(0, help="Seed of the prompts and of --rate's arrivals."),
+    *,
+    workload: ReplayWorkload,
 ) -> None:
     """pdserve side by side with Ray Serve LLM's prefill/decode app on the same replay and
     engines, one system up at a time (each on a fresh local Ray head; nothing else may run on
@@ -473,15 +438,17 @@ def bench_compare(
     with ratios to the peer and a report with plots in OUT."""
     import yaml
 
-    from bench.compare import SYSTEMS, as_text, run, with_preset
-    from bench.live import build_requests
-    from bench.traces import TraceFormatError
+    from bench.live.compare import SYSTEMS, as_text, run, with_preset
+    from bench.workloads.replay import build_requests
+    from bench.workloads.traces import TraceFormatError
     from deployments.config import load_app_config
 
+    if workload.trace is not None:
+        workload = dataclasses.replace(workload, scenario=None)  # the trace wins
     if not config.exists():
         raise typer.BadParameter(f"{config} does not exist", param_hint="--config")
-    if trace is not None and not trace.exists():
-        raise typer.BadParameter(f"{trace} does not exist", param_hint="--trace")
+    if workload.trace is not None and not workload.trace.exists():
+        raise typer.BadParameter(f"{workload.trace} does not exist", param_hint="--trace")
     if preset not in ("test", "bench", "config"):
         raise typer.BadParameter(
             f"{preset!r}: expected test, bench or config", param_hint="--preset"
@@ -492,23 +459,14 @@ def bench_compare(
         raise typer.BadParameter(
             f"unknown {bad or 'empty'}; known: {', '.join(SYSTEMS)}", param_hint="--systems"
         )
-    if concurrency is not None and rate is not None:
-        raise typer.BadParameter("give at most one of --concurrency or --rate")
+    try:
+        workload.check()
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from None
     base = with_preset(yaml.safe_load(config.read_text()), None if preset == "config" else preset)
     try:
         cfg = load_app_config(base["applications"][0].get("args") or {})
-        reqs, cut = build_requests(
-            trace=trace,
-            trace_format=trace_format,
-            scenario=None if trace is not None else scenario,
-            limit=limit,
-            time_scale=time_scale,
-            length_scale=length_scale,
-            rate=rate,
-            max_tokens=max_tokens,
-            seed=seed,
-            max_model_len=cfg.model.max_model_len,
-        )
+        reqs, cut = build_requests(workload, max_model_len=cfg.model.max_model_len)
         from tokenizers import Tokenizer
 
         from deployments.app import ensure_model
@@ -518,17 +476,16 @@ def bench_compare(
         reqs = as_text(reqs, tok)
     except (ValueError, TraceFormatError) as e:
         raise typer.BadParameter(str(e)) from None
-    workload = str(trace) if trace is not None else str(scenario)
     typer.echo(
-        f"{len(reqs)} requests of {workload} ({cut} cut to fit), systems: {', '.join(names)}"
+        f"{len(reqs)} requests of {workload.name} ({cut} cut to fit), systems: {', '.join(names)}"
     )
     run(
         base,
         out,
         reqs,
         systems=names,
-        workload=workload,
-        concurrency=concurrency,
+        workload=workload.name,
+        concurrency=workload.concurrency,
         on_system=lambda n, row: typer.echo(f"{n}: {row.get('error') or 'done'}"),
     )
     typer.echo((out / "report.md").read_text())
@@ -545,7 +502,7 @@ def bench_pd(
     json_out: Path | None = typer.Option(None, "--json", help="Write the results as JSON here."),
 ) -> None:
     """Idle CPU, PD-path vs single-engine TTFT/ITL, and ingress overhead of a running app."""
-    from bench.pd_bench import run
+    from bench.live.pd import run
     from pdserve.output import table, write_json
 
     os.environ.setdefault("RAY_AUTH_MODE", "token")  # as `pdserve up` starts a head
@@ -607,7 +564,7 @@ def bench_soak(
     """A bounded load test on the live endpoint: open-loop arrivals at and above saturation;
     reports outcomes (only 429/503 with Retry-After may refuse), drain time, the routers' and
     feeds' table sizes against their baseline, and every process's memory growth."""
-    from bench.soak import plot, run
+    from bench.live.soak import plot, run
     from pdserve.output import csv_numbers, table, write_json
 
     lv = tuple(float(x) for x in csv_numbers(levels, float, "levels"))
@@ -619,7 +576,7 @@ def bench_soak(
     if up:
         import yaml
 
-        from bench.warm_start import pdserve_cli
+        from bench.live.warm_start import pdserve_cli
 
         raw = yaml.safe_load(config.read_text())
         url = f"http://127.0.0.1:{raw.get('http_options', {}).get('port', 8000)}"
@@ -691,7 +648,7 @@ def bench_proxy_control(
 ) -> None:
     """The control for the soak's memory check: Ray Serve's proxy under the soak's requests
     with a trivial app (no pdserve) on a Ray cluster of its own; its memory growth."""
-    from bench.proxy_control import run
+    from bench.live.proxy_control import run
     from pdserve.output import write_json
 
     res = run(

@@ -92,7 +92,7 @@ def autoscale(
     """Simulate serverless autoscaling of a prefill/decode pool; every output is simulated."""
     from tqdm import tqdm
 
-    from bench.autoscale_sim import (
+    from bench.sim.autoscale import (
         POLICY_NAMES,
         SCENARIOS,
         SimParams,
@@ -105,7 +105,7 @@ def autoscale(
         table_rows,
         trace_workload,
     )
-    from bench.traces import load_azure
+    from bench.workloads.traces import load_azure
 
     if (scenario is None) == (trace is None):
         raise typer.BadParameter(
@@ -283,7 +283,7 @@ def _warm_pool_config(
     named flags (errors name the field)."""
     from pydantic import ValidationError
 
-    from bench.autoscale_sim import warm_pool_config
+    from bench.sim.autoscale import warm_pool_config
 
     values: dict[str, Any] = {}
     for item in spec.split(","):

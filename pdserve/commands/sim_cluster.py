@@ -41,10 +41,10 @@ def sim_cluster(
     """Compare routing x queue policy over N replicas. Output is simulated."""
     from tqdm import tqdm
 
-    from bench.cluster_sim import simulate_cluster
-    from bench.prefill_scenarios import SCENARIOS
-    from bench.prefill_sim import EngineConfig, SimRequest
-    from bench.profiles import load_profile
+    from bench.sim.cluster import simulate_cluster
+    from bench.sim.prefill import EngineConfig, SimRequest
+    from bench.sim.profiles import load_profile
+    from bench.workloads.prefill_scenarios import SCENARIOS
     from controllers.prefill import prefill_policy_names
     from controllers.routing import ROUTING_NAMES
     from pdserve.commands.sim_prefill import workload_from_options

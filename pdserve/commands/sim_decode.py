@@ -51,10 +51,10 @@ def decode(
     plot_out: Path | None = typer.Option(None, "--plot", help="Write a PNG plot here."),
 ) -> None:
     """Simulate decode admission over a serverless pool; every output is simulated."""
-    from bench.decode_sim import DecodeSimConfig, Experiment, plot, run_experiment, table_rows
-    from bench.profiles import load_profile
-    from bench.serverless_pool import PoolConfig
-    from bench.traces import load_azure, load_mooncake
+    from bench.sim.decode import DecodeSimConfig, Experiment, plot, run_experiment, table_rows
+    from bench.sim.profiles import load_profile
+    from bench.sim.serverless_pool import PoolConfig
+    from bench.workloads.traces import load_azure, load_mooncake
     from controllers.decode import decode_policy_names
 
     if (scenario is None) == (trace is None):

@@ -28,7 +28,7 @@ def sim_fidelity(
 ) -> None:
     """Paper value, ours and the ratio for every headline figure of both papers, with the
     workload and engine model calibrated on the baselines only. Output is simulated."""
-    from bench import fidelity as fd
+    from bench.sim import fidelity as fd
 
     report_seeds = csv_ints(seeds, "--seeds")
     cals: dict[str, dict] = {}

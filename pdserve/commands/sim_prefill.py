@@ -7,7 +7,7 @@ from typing import Any
 
 import typer
 
-from bench.prefill_report import DEFAULT_POLICIES as _POLICIES
+from bench.report.prefill import DEFAULT_POLICIES as _POLICIES
 from pdserve.apps import sim_app
 from pdserve.output import csv_known, table, write_json
 
@@ -42,7 +42,7 @@ def sim_prefill(
     progress: bool = typer.Option(True, help="Show a progress bar."),
 ) -> None:
     """Simulate prefill orderings (Fairway and baselines) on one engine. Output is simulated."""
-    from bench.prefill_scenarios import GRID_SCENARIOS, SCENARIOS
+    from bench.workloads.prefill_scenarios import GRID_SCENARIOS, SCENARIOS
 
     if list_:
         typer.echo(
@@ -51,7 +51,7 @@ def sim_prefill(
             )
         )
         return
-    from bench.profiles import load_profile
+    from bench.sim.profiles import load_profile
     from controllers.prefill import prefill_policy_names
 
     names = csv_known(policies, prefill_policy_names(), "policies", "--policies")
@@ -96,8 +96,8 @@ def workload_from_options(
 ) -> Any:
     """The workload the scenario or trace options describe (shared by ``sim prefill`` and
     ``sim cluster``); a trace that cannot be read is a ``--trace`` error."""
-    from bench.prefill_scenarios import azure_workload, build_scenario, mooncake_workload
-    from bench.traces import TraceFormatError, load_azure, load_mooncake
+    from bench.workloads.prefill_scenarios import azure_workload, build_scenario, mooncake_workload
+    from bench.workloads.traces import TraceFormatError, load_azure, load_mooncake
 
     if scenario is not None:
         return build_scenario(
@@ -135,7 +135,7 @@ def _single(
     plot_out: Path | None,
     progress: bool,
 ) -> None:
-    from bench.prefill_report import plot, run_workload, stat_rows
+    from bench.report.prefill import plot, run_workload, stat_rows
 
     report, runs = run_workload(work, names, prof, seed=seed, progress=progress)
     typer.echo(f"{work.name} (simulated), seed {seed}, {len(work.requests)} requests")
@@ -162,8 +162,8 @@ def _grid(
 ) -> None:
     from tqdm import tqdm
 
-    from bench.prefill_report import grid_row, run_workload
-    from bench.prefill_scenarios import build_scenario
+    from bench.report.prefill import grid_row, run_workload
+    from bench.workloads.prefill_scenarios import build_scenario
 
     if "fairway" not in names:
         raise typer.BadParameter(

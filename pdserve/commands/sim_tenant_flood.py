@@ -25,8 +25,8 @@ def tenant_flood(
     progress: bool = typer.Option(True, help="Show a progress bar."),
 ) -> None:
     """Tenant B alone, then B beside A's flood, per policy: B's TTFT. Output is simulated."""
-    from bench.profiles import load_profile
-    from bench.tenant_flood import LABEL, FloodSpec, plot, run
+    from bench.sim.profiles import load_profile
+    from bench.sim.tenant_flood import LABEL, FloodSpec, plot, run
     from controllers.prefill import prefill_policy_names
     from controllers.prefill.registry import FAIR_SHARE_SUFFIX
 

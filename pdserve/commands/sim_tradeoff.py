@@ -36,9 +36,9 @@ def sim_tradeoff(
     progress: bool = typer.Option(True, help="Show a progress bar."),
 ) -> None:
     """Sweep fairway_xstep's bypass_share beside FCFS, LPM and Fairway. Output is simulated."""
-    from bench.prefill_scenarios import SCENARIOS
-    from bench.profiles import load_profile
-    from bench.xstep_sweep import plot, rows, run_sweep
+    from bench.sim.profiles import load_profile
+    from bench.sim.xstep_sweep import plot, rows, run_sweep
+    from bench.workloads.prefill_scenarios import SCENARIOS
     from controllers.prefill.xstep import XStepConfig
 
     names = csv_list(scenarios)

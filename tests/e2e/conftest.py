@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from bench.hostile import ATTACKER_LIMITS, FLOOD_LIMITS
+from bench.live.hostile import ATTACKER_LIMITS, FLOOD_LIMITS
 from tests.fixtures.ray_cluster import free_port
 
 APP = "pdserve"

@@ -772,7 +772,7 @@ def test_a_short_soak_above_saturation_refuses_cleanly_drains_and_leaks_nothing(
     refuse; the queues drain within 30 s after; the routers' tables return to their
     baseline; the feeds hold no more blocks than the prefill KV caches. (Memory growth is
     reported by the bench, not asserted: a 20-second run is too short to tell.)"""
-    from bench.soak import run
+    from bench.live.soak import run
 
     wait_until(lambda: full(faults), "two replicas of each role", 240)
     call(faults, body(prompt(800, 1), 2), Tally())

@@ -17,8 +17,8 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.hostile import ATTACKS, Attack, victim_stream
-from deployments.auth import OPEN_PATHS
+from bench.live.hostile import ATTACKS, Attack, victim_stream
+from deployments.ingress.auth import OPEN_PATHS
 from tests.e2e.conftest import OP_AUTH, wait_until
 
 pytestmark = [
@@ -117,7 +117,7 @@ def test_fuzzing_as_the_operator_and_as_a_tenant_gets_no_5xx_and_keeps_them_apar
 ) -> None:
     """schemathesis over every operation with an operator key, then with a tenant key: no
     5xx either way; the operator reaches only /v1/pdserve/* and the tenant everything but."""
-    from bench.fuzz_api import fuzz
+    from bench.live.fuzz_api import fuzz
 
     def ops(rep: Any, pick: Callable[[str], bool]) -> set[int]:
         return {s for op, c in rep.by_operation.items() if pick(op.split()[1]) for s in c}

@@ -65,7 +65,7 @@ def test_vllms_benchmark_client_succeeds_and_hits_the_cache(
     cached_before = counters(pd_app["prefill"])["prefix_hits"]
     n = 12
     cmd = [
-        sys.executable, "-m", "bench.vllm_bench_serve",
+        sys.executable, "-m", "bench.live.vllm_bench_serve",
         "--backend", backend, "--base-url", pd_app["url"], "--endpoint", endpoint,
         "--model", "test", "--tokenizer", tok,
         "--dataset-name", "prefix_repetition",
@@ -154,7 +154,7 @@ def test_greedy_with_penalties_equals_one_vllm_engine(pd_app: dict[str, Any]) ->
     engine (no transfer) given the same request, built by vLLM's own to_sampling_params."""
     from transformers import AutoTokenizer
 
-    from deployments.openai_api import CompletionRequest, sampling_of
+    from deployments.ingress.openai_requests import CompletionRequest, sampling_of
     from deployments.protocol import EngineRequest
 
     extra = {

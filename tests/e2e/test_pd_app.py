@@ -222,7 +222,7 @@ def test_fuzzing_the_api_from_its_schema_gets_no_5xx(pd_app: dict[str, Any]) -> 
     """schemathesis over every operation of /openapi.json, bodies the schema allows and bodies
     it forbids, as the capped "fuzz" tenant: every answer is a 2xx or a 4xx, none hangs, and
     the app still serves a plain request afterwards."""
-    from bench.fuzz_api import fuzz
+    from bench.live.fuzz_api import fuzz
 
     rep = fuzz(pd_app["url"], "sk-fuzz", examples=12, progress=False, timeout_s=120)
     assert rep.cases >= 8 * 2 * 6  # every operation, both modes (hypothesis may dedupe a few)
@@ -553,16 +553,14 @@ def test_live_replay_of_a_shared_document_mix_and_a_mooncake_trace(
 ) -> None:
     """``pdserve bench live`` against the running app: every request answered, the summary in
     the issue's schema, shared documents found in the prefix cache, the report written."""
-    from bench.live import run
+    from bench.live.replay import run
+    from bench.workloads.replay import ReplayWorkload
 
     key = next(iter(pd_app["keys"]))
     s = run(
         pd_app["url"],
         tmp_path / "rag",
-        scenario="rag",
-        limit=12,
-        time_scale=0.5,
-        max_tokens=8,
+        ReplayWorkload(scenario="rag", limit=12, time_scale=0.5, max_tokens=8),
         key=key,
         progress=False,
     )
@@ -586,11 +584,9 @@ def test_live_replay_of_a_shared_document_mix_and_a_mooncake_trace(
     m = run(
         pd_app["url"],
         tmp_path / "mooncake",
-        trace=trace,
-        trace_format="mooncake",
-        limit=4,
-        length_scale=0.03,
-        time_scale=0.001,
+        ReplayWorkload(
+            trace=trace, trace_format="mooncake", limit=4, length_scale=0.03, time_scale=0.001
+        ),
         key=key,
         progress=False,
     )

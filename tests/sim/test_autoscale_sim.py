@@ -1,4 +1,4 @@
-"""The serverless autoscaling simulator (bench.autoscale_sim, ``pdserve sim autoscale``)."""
+"""The serverless autoscaling simulator (bench.sim.autoscale, ``pdserve sim autoscale``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 import pdserve.cli  # noqa: F401  (registers the commands)
-from bench.autoscale_sim import (
+from bench.sim.autoscale import (
     POLICY_NAMES,
     SCENARIOS,
     SERVEGEN,
@@ -29,7 +29,7 @@ from bench.autoscale_sim import (
     simulate,
     warm_pool_config,
 )
-from bench.autoscale_sim import RoleObs as Obs
+from bench.sim.autoscale import RoleObs as Obs
 from controllers.autoscale import AutoscaleConfig
 from pdserve.apps import app
 

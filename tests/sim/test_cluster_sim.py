@@ -6,10 +6,10 @@ from functools import cache
 
 import pytest
 
-from bench.cluster_sim import ClusterRun, simulate_cluster
-from bench.prefill_scenarios import Workload, build_scenario
-from bench.prefill_sim import EngineConfig, SimRequest
-from bench.profiles import load_profile
+from bench.sim.cluster import ClusterRun, simulate_cluster
+from bench.sim.prefill import EngineConfig, SimRequest
+from bench.sim.profiles import load_profile
+from bench.workloads.prefill_scenarios import Workload, build_scenario
 from controllers.profile import EngineProfile
 
 pytestmark = pytest.mark.slow

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from bench.decode_sim import DecodeSimConfig, simulate, summarize_result
-from bench.decode_workloads import DecodeRequest, synthetic
-from bench.profiles import load_profile
-from bench.serverless_pool import PoolConfig
+from bench.sim.decode import DecodeSimConfig, simulate, summarize_result
+from bench.sim.profiles import load_profile
+from bench.sim.serverless_pool import PoolConfig
+from bench.workloads.decode import DecodeRequest, synthetic
 from controllers.profile import EngineProfile
 
 PROF = load_profile("v100_llama32_3b")

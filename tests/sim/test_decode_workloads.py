@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bench.decode_workloads import from_trace, paper, synthetic
-from bench.traces import TraceRequest
+from bench.workloads.decode import from_trace, paper, synthetic
+from bench.workloads.traces import TraceRequest
 
 
 def test_paper_prompt_classes_and_gsm8k_outputs() -> None:

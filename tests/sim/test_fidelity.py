@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 import pdserve.cli  # noqa: F401  (registers the commands)
-from bench import fidelity as fd
+from bench.sim import fidelity as fd
 from pdserve.apps import app
 
 runner = CliRunner()

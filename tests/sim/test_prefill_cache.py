@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.prefill_sim import BlockCache
+from bench.sim.prefill import BlockCache
 
 
 def test_hits_count_only_the_leading_run() -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from bench.prefill_sim import (
+from bench.sim.prefill import (
     BlockCache,
     EngineConfig,
     PrefillEngine,
@@ -16,7 +16,7 @@ from bench.prefill_sim import (
     reusable_blocks,
     simulate,
 )
-from bench.profiles import load_profile
+from bench.sim.profiles import load_profile
 from controllers.prefill import PrefillQueueView, make_prefill_policy
 from controllers.profile import EngineProfile
 
@@ -215,7 +215,7 @@ def test_the_step_cost_check_prices_a_replays_steps_and_refits_them() -> None:
     """``bench replay``'s check: a profile that prices every step at twice its measured
     time reads 2.0, the refit recovers the true coefficients, and steps with a chunk
     from a long cached head are grouped apart."""
-    from bench.engine_replay import step_cost_check
+    from bench.engine.replay import step_cost_check
     from controllers.profile import StepCost
 
     truth = StepCost(fixed_s=0.004, per_token_s=1.5e-4, attn_per_ctx_token_s=3e-8)
@@ -249,7 +249,7 @@ def test_the_step_cost_check_prices_a_replays_steps_and_refits_them() -> None:
 def test_a_replays_refitted_profile_round_trips_as_a_profile_file(tmp_path) -> None:
     """``bench replay --save-profile``: the profile with the replay's refitted step cost,
     loadable by path as ``--profile`` for the next replay."""
-    from bench.engine_replay import refit_profile, step_cost_check
+    from bench.engine.replay import refit_profile, step_cost_check
     from controllers.profile import StepCost
 
     prof = load_profile("cpu2core_vllm032_bench")
@@ -271,9 +271,9 @@ def test_the_prediction_band_brackets_the_simulator_and_widens_with_a_queue() ->
     holds the central prediction, is a point at ``rel = 0``, and is wide where a queue
     builds (a 2% dearer step, arrivals faster than the engine serves: every later request
     waits longer) and narrow on an idle engine."""
-    from bench.engine_replay import band_coverage, prediction_band
-    from bench.prefill_report import policy_report
-    from bench.prefill_sim import SimRequest
+    from bench.engine.replay import band_coverage, prediction_band
+    from bench.report.prefill import policy_report
+    from bench.sim.prefill import SimRequest
 
     # calm: one 1,024-token prompt per second; spike: 40 arriving faster than served
     one = PROFILE.prefill_seconds(1024)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bench.prefill_report import policy_report, run_workload, six_targets
-from bench.prefill_scenarios import (
+from bench.report.prefill import policy_report, run_workload, six_targets
+from bench.sim.prefill import RunResult, SimRequest
+from bench.sim.profiles import load_profile
+from bench.workloads.prefill_scenarios import (
     SCENARIOS,
     SecCorpus,
     _Ids,
@@ -16,8 +18,6 @@ from bench.prefill_scenarios import (
     sec_prompt,
     short_prompt,
 )
-from bench.prefill_sim import RunResult, SimRequest
-from bench.profiles import load_profile
 
 PROFILE = load_profile("a6000_llama31_8b")
 
@@ -83,7 +83,7 @@ def test_unknown_scenario_lists_the_known_ones() -> None:
 
 
 def _fake(policy: str, ttfts: list[float], labels: tuple[str, ...] = ()) -> RunResult:
-    from bench.prefill_sim import FinishedRequest
+    from bench.sim.prefill import FinishedRequest
 
     fin = [FinishedRequest(f"r{i}", 0.0, 0.0, t, 10, 0, labels) for i, t in enumerate(ttfts)]
     return RunResult(policy, fin, [], max(ttfts), 1, 1.0, 0)

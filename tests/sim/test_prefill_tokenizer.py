@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("tokenizers")
 
-from bench.tokenizer import count_tokens, count_tokens_batch, encode, load_tokenizer  # noqa: E402
+from bench.workloads.tokenizer import count_tokens, count_tokens_batch, encode, load_tokenizer  # noqa: E402
 
 PROSE = (
     "The company reported quarterly revenue of $4.2 billion, an increase of 12 percent "

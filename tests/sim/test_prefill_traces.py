@@ -7,9 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from bench.prefill_scenarios import azure_workload, mooncake_workload
-from bench.profiles import load_profile
-from bench.traces import TraceFormatError, TraceRequest, load_azure, load_mooncake, scale_arrivals
+from bench.sim.profiles import load_profile
+from bench.workloads.prefill_scenarios import azure_workload, mooncake_workload
+from bench.workloads.traces import (
+    TraceFormatError,
+    TraceRequest,
+    load_azure,
+    load_mooncake,
+    scale_arrivals,
+)
 
 DATA = Path(__file__).resolve().parents[2] / "bench" / "data"
 MOONCAKE = DATA / "mooncake" / "synthetic_trace.jsonl"

@@ -11,10 +11,10 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 import pdserve.cli  # noqa: F401  (registers the commands)
-from bench.prefill_report import policy_report
-from bench.prefill_scenarios import build_scenario
-from bench.prefill_sim import EngineConfig, simulate
-from bench.profiles import load_profile
+from bench.report.prefill import policy_report
+from bench.sim.prefill import EngineConfig, simulate
+from bench.sim.profiles import load_profile
+from bench.workloads.prefill_scenarios import build_scenario
 from pdserve.apps import app
 
 runner = CliRunner()

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from bench.profiles import load_profile
-from bench.tenant_flood import FloodSpec, plot, run
+from bench.sim.profiles import load_profile
+from bench.sim.tenant_flood import FloodSpec, plot, run
 
 pytestmark = pytest.mark.slow
 

@@ -11,9 +11,9 @@ import pytest
 from typer.testing import CliRunner
 
 import pdserve.cli  # noqa: F401  (registers the commands)
-from bench.prefill_report import policy_report
-from bench.prefill_sim import EngineConfig, SimRequest, StepResult, simulate
-from bench.profiles import load_profile
+from bench.report.prefill import policy_report
+from bench.sim.prefill import EngineConfig, SimRequest, StepResult, simulate
+from bench.sim.profiles import load_profile
 from controllers.prefill import PrefillQueueView, make_prefill_policy
 from controllers.prefill.xstep import FairwayXStep, XStepConfig
 from pdserve.apps import app

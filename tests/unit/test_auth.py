@@ -1,5 +1,5 @@
-"""The gate before the body (deployments.auth), the extension-field allow-list and bounds
-(deployments.openai_api.check_bounds), the engines' own transfer fields
+"""The gate before the body (deployments.ingress.auth), the extension-field allow-list and bounds
+(deployments.ingress.openai_requests.check_bounds), the engines' own transfer fields
 (deployments.protocol.engine_extra_args), and work charged whatever the bucket holds
 (controllers.tenants.debit). Pure: no tokenizer, no engine, no Ray."""
 
@@ -13,8 +13,13 @@ import pytest
 
 from cluster.tenants import OPERATOR, KeyStore, RateLimiter, hash_key, read_keys_file
 from controllers.tenants import Bucket, available, debit
-from deployments.auth import PRINCIPAL, AuthFailures, AuthGuard, Gate, Principal
-from deployments.openai_api import Bounds, CompletionRequest, RequestError, check_bounds
+from deployments.ingress.auth import PRINCIPAL, AuthFailures, AuthGuard, Gate, Principal
+from deployments.ingress.openai_requests import (
+    Bounds,
+    CompletionRequest,
+    RequestError,
+    check_bounds,
+)
 from deployments.protocol import PREFILL_KV_PARAMS, engine_extra_args
 
 
@@ -180,7 +185,7 @@ def test_a_wrong_key_is_a_401_without_the_body_being_read() -> None:
 
 
 def test_no_gate_yet_is_a_503_not_an_open_door() -> None:
-    import deployments.auth as auth
+    import deployments.ingress.auth as auth
 
     auth._GATE["gate"] = None
     sent: list[dict[str, Any]] = []

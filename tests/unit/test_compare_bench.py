@@ -1,4 +1,4 @@
-"""``pdserve bench compare`` (bench.compare): the peer's config is Ray Serve LLM's own schema
+"""``pdserve bench compare`` (bench.live.compare): the peer's config is Ray Serve LLM's own schema
 with pdserve's engines, each pdserve variant is a valid app config with its schedulers and
 routing, text prompts re-encode token for token, and the ratios and goal follow the rows.
 The side-by-side run itself brings whole clusters up; its figures are in the issue's note."""
@@ -12,7 +12,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from bench.compare import (
+from bench.live.compare import (
     SYSTEMS,
     as_text,
     goal,
@@ -23,7 +23,7 @@ from bench.compare import (
     with_preset,
     word_tokens,
 )
-from bench.live import LiveRequest, scenario_requests
+from bench.workloads.replay import LiveRequest, scenario_requests
 from deployments.config import engine_launch, load_app_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -214,7 +214,7 @@ def test_the_cli_refuses_unknown_systems_and_presets_with_the_option_named() -> 
 def test_the_report_tables_every_system_names_the_failed_one_and_plots(tmp_path: Path) -> None:
     import json
 
-    from bench.compare import report
+    from bench.live.compare import report
 
     lag = {"p50_ms": 0.2, "p99_ms": 3.5, "max_ms": 9.0}
     replicas = {

@@ -278,6 +278,51 @@ def test_xxhash_needs_a_seed() -> None:
         AppConfig.model_validate({"hashing": {"algo": "xxhash", "seed": None}})
 
 
+def test_the_engine_settings_reach_the_launch_as_they_are() -> None:
+    """A role's section and the engine's launch share one definition of the engine's own vLLM
+    settings (engines.launch.EngineSettings); engine_launch hands every one of them on."""
+    from engines.launch import EngineSettings
+
+    cfg = AppConfig.model_validate(
+        {
+            "prefill": {
+                "num_cpus": 1,
+                "enforce_eager": False,
+                "enable_prefix_caching": False,
+                "max_num_seqs": 7,
+                "kv_cache_gib": 3,
+                "cpu_bind": "0-1",
+                "scheduler_cls": "engines.scheduler.FairwayScheduler",
+            }
+        }
+    )
+    launch = engine_launch(cfg, "prefill", replica_ports(cfg, "prefill", 0, "h", _ports()))
+    assert isinstance(cfg.prefill, EngineSettings) and isinstance(launch, EngineSettings)
+    assert launch.engine_settings() == cfg.prefill.engine_settings()
+    assert cfg.prefill.engine_settings()["max_num_seqs"] == 7
+    with pytest.raises(ValidationError, match="prefill.cpu_bind"):
+        AppConfig.model_validate({"prefill": {"num_cpus": 1, "cpu_bind": "all"}})
+
+
+def test_hashing_is_defined_once() -> None:
+    """The ``hashing`` section is cluster's ``HashConfig`` narrowed (a seed by default, a block
+    size vLLM takes), and the engines' launch takes the same algorithms (the two layers may
+    not import each other, so each names them: they must stay equal)."""
+    from typing import get_args
+
+    from cluster.hashing import HashAlgo, HashConfig
+    from engines.launch import HashAlgo as LaunchHashAlgo
+
+    assert get_args(HashAlgo) == get_args(LaunchHashAlgo)
+    h = AppConfig().hashing
+    assert isinstance(h, HashConfig)
+    assert h.hash_config() == HashConfig(algo="sha256", block_size=128, seed="0")
+    with pytest.raises(ValidationError, match="hashing.seed"):
+        AppConfig.model_validate({"hashing": {"seed": "4294967296"}})
+    with pytest.raises(ValidationError, match="hashing.block_size"):
+        AppConfig.model_validate({"hashing": {"block_size": 8}})
+
+
 def test_scheduler_plugins_are_validated_at_deploy_time() -> None:
     raw = yaml.safe_load((ROOT / "configs" / "pd_default.yaml").read_text())
     cfg = load_app_config(raw["applications"][0]["args"], environ={})

@@ -13,8 +13,8 @@ from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 from ray.exceptions import ActorDiedError
 
-from deployments.engine import _count_failed_transfers
-from deployments.openai_api import (
+from deployments.engine.counters import _count_failed_transfers
+from deployments.ingress.openai_requests import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -112,10 +112,11 @@ def wired(tiny_model_dir: Path) -> Any:
 
 def _wire(tiny_model_dir: Path, extra: dict[str, Any]) -> Any:
     from cluster.tenants import hash_key
-    from deployments.auth import AuthGuard
     from deployments.config import AppConfig
-    from deployments.http_guard import BodyGuard
-    from deployments.ingress import IngressCore, api
+    from deployments.ingress import IngressCore
+    from deployments.ingress.auth import AuthGuard
+    from deployments.ingress.http import api
+    from deployments.ingress.http_guard import BodyGuard
 
     # no replica directories behind the fakes: readiness without the pair warm-up; no
     # cached readiness (the tests flip the fakes' state and probe at once)
@@ -669,7 +670,7 @@ def test_chat_roles_and_content_parts_are_checked(wired: Any) -> None:
 
 
 def test_json_depth() -> None:
-    from deployments.http_guard import json_depth
+    from deployments.ingress.http_guard import json_depth
 
     assert json_depth(1) == 0 and json_depth([]) == 1 and json_depth({"a": [1, {"b": []}]}) == 4
 
@@ -917,7 +918,8 @@ def test_the_wait_bound_refuses_once_the_engines_hold_more_than_it_in_seconds(
     import time
 
     from deployments.config import AppConfig
-    from deployments.ingress import IngressCore, RequestError
+    from deployments.ingress import IngressCore
+    from deployments.ingress.openai_requests import RequestError
     from deployments.router_registry import directory
 
     app = "wait-unit"

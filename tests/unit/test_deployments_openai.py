@@ -15,22 +15,24 @@ from vllm.entrypoints.openai.chat_completion.protocol import (
 )
 from vllm.entrypoints.openai.completion.protocol import CompletionRequest as VllmCompletionRequest
 
-from deployments.openai_api import (
+from deployments.ingress.openai_requests import (
     IGNORED,
     REFUSED,
     ChatCompletionRequest,
-    ChoiceOut,
     CompletionRequest,
-    LogprobFormat,
     RequestError,
+    include_usage,
+    sampling_of,
+    usage,
+)
+from deployments.ingress.openai_responses import (
+    ChoiceOut,
+    LogprobFormat,
     chat_logprobs,
     completion_body,
     completion_logprobs,
-    include_usage,
     prompt_logprobs_json,
-    sampling_of,
     stream_chunk,
-    usage,
 )
 from deployments.protocol import TokenLogprob
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.engine_bench import block_chain, make_spike
+from bench.engine.spike import block_chain, make_spike
 from engines.config import EngineSchedulerConfig, engine_config_from_vllm
 from engines.profiler import fit_decode, fit_step_cost
 from engines.scheduler_names import scheduler_cls_name

@@ -150,3 +150,22 @@ def test_work_ahead_of_oldest_is_bounded(
     ahead = [by_id[rid].work for rid in order[:pos]]
     overshoot = max(ahead, default=0)
     assert sum(ahead) <= reqs[oldest].work / 4.0 + overshoot
+
+
+def test_fairway_declares_its_lanes_and_the_plain_orders_do_not() -> None:
+    """The engine plug-in reports lanes through the policy's declared capability
+    (``order_with_lanes``), never by its type: Fairway names each request's lane as its plan
+    placed it; the baselines and Fairway inside the fair share declare none (no lanes)."""
+    from controllers.prefill import make_prefill_policy
+
+    m = req("M", arrival=0.0, cached=0, uncached=6000)
+    hits = [req(f"H{i}", arrival=0.1 * i, cached=6000, uncached=300) for i in range(1, 8)]
+    q = queue(m, *hits)
+    plan = Fairway().plan(q, now=0.8)
+    ids, lanes = Fairway().order_with_lanes(q, now=0.8)
+    assert ids == plan.order
+    assert lanes == ["fast" if lane == FAST else "fair" for lane in plan.lanes]
+    assert lanes[:6] == ["fast"] * 5 + ["fair"]
+    for name in ("fcfs", "lpm", "fairway+fair_share", "fairway_xstep"):
+        policy = make_prefill_policy(name, _profile(), FairwayConfig())
+        assert getattr(policy, "order_with_lanes", None) is None, name

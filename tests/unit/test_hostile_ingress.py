@@ -17,10 +17,10 @@ import pytest
 from fastapi import FastAPI, Request
 
 from controllers.tenants import Bucket, available
-from deployments.auth import AuthGuard
-from deployments.http_guard import BodyGuard
-from deployments.ingress import api
-from deployments.openai_api import CompletionRequest
+from deployments.ingress.auth import AuthGuard
+from deployments.ingress.http import api
+from deployments.ingress.http_guard import BodyGuard
+from deployments.ingress.openai_requests import CompletionRequest
 from deployments.protocol import EngineChunk, EngineRefused, EngineRequest
 from tests.unit.test_deployments_ingress import KV, OP, FakeEngine, _Remote, _wire, auth
 
@@ -446,7 +446,7 @@ def test_stats_are_the_operators_and_reset_is_a_post(strict: Any) -> None:
 def test_logprobs_merge_in_place() -> None:
     from openai.types.completion_choice import Logprobs
 
-    from deployments.ingress import _merge_logprobs
+    from deployments.ingress.respond import merge_logprobs as _merge_logprobs
 
     acc: list[int] = [1]
     assert _merge_logprobs(acc, [2, 3]) is acc and acc == [1, 2, 3]

@@ -1,4 +1,4 @@
-"""The live replayer's workloads, shaping and summary (bench.live); the replay itself runs
+"""The live replayer's workloads, shaping and summary (bench.workloads.replay, bench.live.replay); the replay itself runs
 against the live app in tests/e2e/test_pd_app.py."""
 
 from __future__ import annotations
@@ -8,16 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.live import (
-    LiveRequest,
-    LiveResult,
-    scenario_requests,
-    shape,
-    summarize,
-    trace_requests,
-    write_report,
-)
-from bench.traces import TraceRequest
+from bench.live.replay import LiveResult, summarize, write_report
+from bench.workloads.replay import LiveRequest, scenario_requests, shape, trace_requests
+from bench.workloads.traces import TraceRequest
 
 VOCAB = 1000
 
@@ -97,3 +90,37 @@ def test_summary_follows_the_schema_and_the_report_is_written(tmp_path: Path) ->
     files = write_report(tmp_path, s, results)
     assert {f.name for f in files} == {"ttft_cdf.png", "ttft_over_time.png", "itl.png", "report.md"}
     assert "| TTFT s | 0.100 |" in (tmp_path / "report.md").read_text()
+
+
+def test_a_replay_workload_refuses_what_no_replay_can_run() -> None:
+    from bench.workloads.replay import ReplayWorkload
+
+    ReplayWorkload(scenario="rag").check()
+    for bad, says in (
+        ({}, "exactly one"),
+        ({"scenario": "rag", "trace": Path("t.jsonl")}, "exactly one"),
+        ({"trace": Path("t.jsonl")}, "--trace-format"),
+        ({"scenario": "rag", "rate": 1.0, "concurrency": 2}, "at most one"),
+        ({"scenario": "rag", "concurrency": 0}, ">= 1"),
+    ):
+        with pytest.raises(ValueError, match=says):
+            ReplayWorkload(**bad).check()  # type: ignore[arg-type]
+
+
+def test_every_replay_command_takes_the_options_of_the_one_definition() -> None:
+    """``bench live`` and ``bench compare`` take every ReplayWorkload field as an option, and
+    hand them on as one ReplayWorkload (an impossible one is refused before any request)."""
+    import dataclasses
+
+    from typer.main import get_command
+    from typer.testing import CliRunner
+
+    from bench.workloads.replay import ReplayWorkload
+    from pdserve.cli import app
+
+    fields = {f.name for f in dataclasses.fields(ReplayWorkload)}
+    bench = get_command(app).commands["bench"]  # type: ignore[attr-defined]
+    for name in ("live", "compare"):
+        assert fields <= {p.name for p in bench.commands[name].params}, name
+    r = CliRunner().invoke(app, ["bench", "live", "--endpoint", "http://x", "--out", "o"])
+    assert r.exit_code == 2 and "exactly one of --trace or --scenario" in r.output

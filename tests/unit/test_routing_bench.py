@@ -3,7 +3,8 @@ prefixes exactly, and the summary counts what the replays did."""
 
 from __future__ import annotations
 
-from bench.routing_bench import RagMix, Result, rag_mix, ratios, summarize_policy
+from bench.live.routing import Result, ratios, summarize_policy
+from bench.workloads.rag import RagMix, rag_mix
 
 
 def test_rag_mix_is_seeded_and_shares_document_prefixes() -> None:

@@ -6,7 +6,7 @@ from typing import Any
 
 import httpx
 
-from bench.soak import _classify, _reason
+from bench.live.soak import _classify, _reason
 
 
 def test_only_429_and_503_with_retry_after_are_expected_refusals() -> None:
@@ -26,7 +26,7 @@ def test_an_error_reason_is_the_apps_message_or_the_text() -> None:
 
 
 def test_a_ray_actor_keeps_one_name_whatever_method_it_runs() -> None:
-    from bench.soak import process_name
+    from bench.live.soak import process_name
 
     base = "ray::ServeReplica:pdserve:ingress"
     assert process_name(base, "python") == base
@@ -36,7 +36,7 @@ def test_a_ray_actor_keeps_one_name_whatever_method_it_runs() -> None:
 
 
 def test_the_proxy_control_reads_only_serves_proxy(monkeypatch: Any) -> None:
-    import bench.proxy_control as pc
+    import bench.live.proxy_control as pc
 
     fake = {"ray::ProxyActor[1]": 3 * 2**20, "ray::ServeReplica:control:control[2]": 9 * 2**20}
     monkeypatch.setattr(pc, "rss", lambda: fake)
@@ -46,7 +46,7 @@ def test_the_proxy_control_reads_only_serves_proxy(monkeypatch: Any) -> None:
 
 
 def test_the_proxy_controls_busy_cores_spin_until_terminated() -> None:
-    import bench.proxy_control as pc
+    import bench.live.proxy_control as pc
 
     procs = pc.busy(2)
     try:

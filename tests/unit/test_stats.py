@@ -1,4 +1,4 @@
-from bench.stats import summarize
+from bench.report.stats import summarize
 
 
 def test_summary_of_known_sample() -> None:

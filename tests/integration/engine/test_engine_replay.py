@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from bench.engine_replay import prompt_tokens, replay
-from bench.prefill_scenarios import Workload, block_hashes
-from bench.prefill_sim import SimRequest
+from bench.engine.replay import prompt_tokens, replay
+from bench.sim.prefill import SimRequest
+from bench.workloads.prefill_scenarios import Workload, block_hashes
 from tests.fixtures.vllm_engine import ENGINE_BUDGET, ENGINE_KV_BLOCKS, TEST_PROFILE, PdEngine
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]

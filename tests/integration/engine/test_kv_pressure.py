@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.kv_pressure import kv_pressure, rows
+from bench.engine.kv_pressure import kv_pressure, rows
 from tests.fixtures.vllm_engine import ENGINE_KV_BLOCKS, PdEngine
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]

@@ -1,0 +1,1 @@
+"""Reports: the STATS summary and the prefill simulator's report (targets, grid, plots)."""

@@ -1,0 +1,1212 @@
+"""Event-driven simulator of a serverless prefill/decode pool under four autoscalers
+(every output: **simulated**; ``pdserve sim autoscale``).
+
+The question it answers (issue #15, "Simulation"): how often does a request wait on a cold
+start, and how many replica-seconds does each autoscaling policy spend, on a real arrival
+trace? ``warm_pool`` is our policy, :func:`controllers.autoscale.decide` called as-is; the
+others are baselines mirrored from their code.
+
+Model
+-----
+Each request has an arrival time, prompt tokens and output tokens. It is prefilled by one
+**prefill** replica, then decoded by one **decode** replica (disaggregated: a PD pair).
+
+- *Prefill*: one FCFS queue in front of the role; a free running replica takes its head
+  and serves the whole prompt at ``prefill_tokens_per_s`` (default 4,000 tokens/s per
+  replica, one prompt at a time). The figure is modelled, not measured: the repository's
+  modelled A6000 / Llama-3.1-8B profile (``engines/profiles/a6000_llama31_8b.json``)
+  prefills 1,024 tokens in 0.205 s and 4,096 in 0.87 s (~4,700-5,000 tokens/s); 4,000 is a
+  round figure below that. No prefix cache (the Azure trace has no content).
+- *Decode*: one FCFS queue; the head is admitted by the running decode replica with the
+  least load that has room in its token window (``decode_window_tokens``, default 16,384;
+  a request holds ``prompt + output`` tokens, its KV at completion, for its whole decode;
+  a request larger than the window is admitted alone to an empty replica). This is a
+  TWP-like token window, simplified: the window is fixed and the output length known.
+  Each admitted request emits a token every ``itl_s`` (25 ms, fixed, independent of the
+  batch). **TTFT** = first decode token - arrival = waits for a prefill replica
+  (including any cold start) + prefill + waits for a decode replica (including any cold
+  start, and the window) + one ITL.
+- *Replicas*: per role, each is **starting** (ready ``cold_start_s`` after it was asked
+  for), **running**, or **draining** (asked to stop while busy: takes no new work, stops
+  when its work is done, as Ray Serve stops replicas gracefully), and then off. A starting
+  replica asked to stop is cancelled. Scale-down picks starting replicas first (newest),
+  then idle running ones, then the least-loaded busy ones.
+- *Cold start* (modelled, not measured): ``weights_gb / load_gb_per_s + engine_init_s``.
+  Defaults: an 8B model in fp16 is 16 GB; at ~2 GB/s from a local NVMe SSD that is 8 s;
+  plus 6 s of engine start (process, CUDA context, KV-cache profiling and allocation,
+  CUDA-graph capture with cached compilation): **14 s**. ``serverlessllm`` loads
+  checkpoints ``sllm_load_speedup`` (8x: the middle of ServerlessLLM's reported 6-10x over
+  the safetensors/PyTorch loaders; its repository's H100 results for Llama-3.1-8B,
+  ``benchmarks/results/h100_2025/random``, show ~4.5 s for safetensors against ~0.67 s)
+  faster: 16 / 16 + 6 = **7 s**. Both are parameters.
+- *Control*: every ``control_interval_s`` (1 s) the policy sees, per role
+  (:class:`RoleObs`): running and starting replicas, its last target, requests waiting for
+  a replica while none runs (``handle_queued``), requests in the role (``ongoing``),
+  queued uncached prompt tokens, the cumulative prompt tokens the replicas have taken,
+  the measured prefill throughput (known once one prefill finished), the decode token
+  load and window; it returns the replica target per role.
+
+Policies (``POLICY_NAMES``); every autoscaled one starts from zero replicas:
+
+- ``always_on``: a fixed count per role, running from t = 0, sized for the workload's
+  peak: the busiest ``peak_window_s`` (60 s) of prompt tokens per second over
+  ``prefill_tokens_per_s * u``, and of decode window load (each request's
+  ``prompt + output`` tokens over ``[arrival, arrival + output * itl]``) over
+  ``decode_window_tokens * u``, with ``u`` = ``always_on_utilization`` (0.8, the
+  AutoscaleConfig default; fixed, so tuning warm_pool does not move the reference), at
+  least 1. It is the replica-seconds reference (``replica_seconds_ratio``).
+- ``serve_default``: Ray Serve 2.60's default request-based policy
+  (``ray/serve/autoscaling_policy.py``), per role independently:
+  ``desired = total_requests / target_ongoing_requests`` (2) with ``total_requests`` the
+  role's ongoing requests averaged over ``look_back_period_s`` (30 s); scaling factors 1;
+  up after ``upscale_delay_s`` (30 s) of wanting more, down after ``downscale_delay_s``
+  (600 s, also for 1 -> 0; to 1 first from above 1); the cold-start fast path (0 running
+  and a request -> ``max(1, target)`` at once); bounds ``[0, max_replicas]``. Not
+  modelled: the replicas' 10 s metric push period (Serve sees older numbers than here).
+  Decode sees a request only once its prefill is done, so a request from zero meets the
+  two cold starts in series.
+- ``serverlessllm``: ServerlessLLM's router autoscaler (``sllm/serve/routers/
+  roundrobin_router.py``, ``auto_scaler``) with its default config (concurrency target 1,
+  min 0, keep-alive 0), per role, with the fast loader: ``desired = ceil(ongoing / 1)``;
+  each 1 s loop starts one instance when ``desired`` exceeds starting + ready, and stops
+  one when below (after ``keep_alive`` seconds without a request: at once). Its
+  ``max_instances`` (10) is replaced by the common ``max_replicas``.
+- ``warm_pool``: ours, :func:`controllers.autoscale.decide` with an
+  :class:`~controllers.autoscale.AutoscaleConfig` (``paired=True``), bounds
+  ``[0, max_replicas]``, ``prefill_tokens_per_s`` = the modelled throughput and
+  ``cold_start_s`` = the modelled cold start unless overridden; standard loader (14 s).
+
+Metrics per policy: ``cold_start_fraction``: the share of requests that waited on a cold
+start, i.e. in either role the replica that served it was not yet running when the
+request reached that role (it was starting then, or was started afterwards); ``always_on``
+has none. It also counts a request that a new replica took from a queue an old replica
+would have reached soon after: an upper bound. ``from_zero_fraction``: requests that
+reached a role with no running replica; ``two_cold_starts_fraction``: requests that waited
+on a cold start in both roles. TTFT STATS (s, :func:`bench.report.stats.summarize`).
+``replica_seconds``: the sum over roles of the time replicas were starting, running or
+draining within ``[0, duration_s]`` (the workload's span; requests still in flight at the
+end finish, but the time after it is not counted, so every policy is charged over the
+same span). Scale-ups / downs: replicas started / stopped (cancelled starts included).
+
+Workloads: the Azure LLM conversation trace (:func:`azure_workload`; ``load`` X divides
+arrival times by X) and ServeGen scenarios (:func:`servegen_workload`) built from
+per-client arrival parameters in ``bench/data/servegen`` with lengths from the Azure trace.
+Deterministic: a workload's seed fixes it; the simulator has no randomness.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from bench import DATA_DIR
+from bench.report.stats import summarize
+from bench.workloads.traces import TraceRequest, load_azure
+from controllers.autoscale import (
+    AutoscaleConfig,
+    AutoscaleState,
+    RoleBounds,
+    RoleDemand,
+    decide,
+)
+
+ROLES: tuple[str, ...] = ("prefill", "decode")
+POLICY_NAMES = ("always_on", "serve_default", "serverlessllm", "warm_pool")
+DATA = DATA_DIR
+AZURE_CONV = DATA / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv"
+SERVEGEN = DATA / "servegen"
+SERVEGEN_WINDOW_S = 600.0
+
+
+class SimParams(BaseModel):
+    """Modelled engine and pool figures every policy shares (see the module docstring)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    prefill_tokens_per_s: float = Field(
+        default=4000.0, gt=0, description="Prefill throughput per replica (tokens/s)."
+    )
+    itl_s: float = Field(default=0.025, gt=0, description="Decode inter-token latency (s).")
+    decode_window_tokens: float = Field(
+        default=16384.0, gt=0, description="Decode token window per replica (prompt + output)."
+    )
+    weights_gb: float = Field(default=16.0, gt=0, description="Model weights (GB; 8B fp16).")
+    load_gb_per_s: float = Field(default=2.0, gt=0, description="Checkpoint load bandwidth.")
+    engine_init_s: float = Field(default=6.0, ge=0, description="Engine start beyond loading.")
+    sllm_load_speedup: float = Field(
+        default=8.0, ge=1, description="ServerlessLLM's loading speed-up over the standard."
+    )
+    cold_start_s: float | None = Field(
+        default=None, ge=0, description="Override the modelled standard cold start (s)."
+    )
+    sllm_cold_start_s: float | None = Field(
+        default=None, ge=0, description="Override serverlessllm's modelled cold start (s)."
+    )
+    control_interval_s: float = Field(default=1.0, gt=0, description="Control period (s).")
+    max_replicas: int = Field(default=32, ge=1, description="Most replicas per role.")
+    peak_window_s: float = Field(default=60.0, gt=0, description="always_on's peak window.")
+    always_on_utilization: float = Field(
+        default=0.8, gt=0, le=1, description="always_on's sizing: share of capacity at peak."
+    )
+
+    def standard_cold_start_s(self) -> float:
+        if self.cold_start_s is not None:
+            return self.cold_start_s
+        return self.weights_gb / self.load_gb_per_s + self.engine_init_s
+
+    def fast_cold_start_s(self) -> float:
+        if self.sllm_cold_start_s is not None:
+            return self.sllm_cold_start_s
+        load = self.weights_gb / (self.load_gb_per_s * self.sllm_load_speedup)
+        return load + self.engine_init_s
+
+
+# --------------------------------------------------------------------------- workloads
+
+
+@dataclass(frozen=True, slots=True)
+class SimRequest:
+    arrival_s: float
+    prompt_tokens: int
+    output_tokens: int
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Requests sorted by arrival; ``duration_s``: the span replica-seconds are charged over."""
+
+    name: str
+    requests: tuple[SimRequest, ...]
+    duration_s: float
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def azure_workload(
+    path: str | Path = AZURE_CONV, *, load: float = 1.0, limit: int | None = None
+) -> Workload:
+    """The Azure LLM trace with arrival times divided by ``load`` (2: twice the rate)."""
+    return trace_workload(load_azure(path, limit=limit), f"azure:{Path(path).name}", load=load)
+
+
+def trace_workload(records: Sequence[TraceRequest], name: str, *, load: float = 1.0) -> Workload:
+    if load <= 0:
+        raise ValueError(f"load must be > 0, got {load}")
+    reqs = tuple(
+        SimRequest(r.arrival_s / load, r.input_tokens, r.output_tokens)
+        for r in sorted(records, key=lambda r: r.arrival_s)
+    )
+    duration = reqs[-1].arrival_s if reqs else 0.0
+    return Workload(name, reqs, max(duration, 1.0), {"kind": "trace", "load": load})
+
+
+@dataclass(frozen=True)
+class ScenarioSpec:
+    """A ServeGen scenario: clients' arrival parameters and the span simulated."""
+
+    directory: str
+    clients: tuple[int, ...]
+    start_s: float
+    duration_s: float
+    rate_rps: float | None
+    """Mean aggregate rate over the span (req/s) before ``load``; None: the data's own."""
+    about: str
+
+
+SCENARIOS: dict[str, ScenarioSpec] = {
+    "servegen-language": ScenarioSpec(
+        "language/m-small",
+        (2, 11, 16, 19, 36),
+        0.0,
+        3600.0,
+        4.0,
+        "5 m-small language clients (steady, bursty CV~19, spiky, a step up, sparse), "
+        "first hour of day 1, scaled to 4 req/s",
+    ),
+    "servegen-reason": ScenarioSpec(
+        "reason/deepseek-r1",
+        (26, 35, 44),
+        61200.0,
+        7200.0,
+        None,
+        "3 deepseek-r1 clients (on/off bursts, intermittent, sparse), 17:00-19:00 of the "
+        "day, native rates (~1.4 req/s)",
+    ),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ArrivalWindow:
+    """One row of a ServeGen ``chunk-*-trace.csv``."""
+
+    start_s: float
+    rate_rps: float
+    cv: float
+    family: str
+    param1: float
+    param2: float
+
+
+def load_servegen_client(path: str | Path) -> list[ArrivalWindow]:
+    """Parse one ServeGen trace CSV (no header; see ``bench/data/servegen/README.md``)."""
+    out: list[ArrivalWindow] = []
+    p = Path(path)
+    for lineno, line in enumerate(p.read_text().splitlines(), 1):
+        line = line.strip()
+        if not line:
+            continue
+        parts = line.split(",")
+        if len(parts) != 6:
+            raise ValueError(f"{p}:{lineno}: expected 6 fields, got {len(parts)}")
+        try:
+            w = ArrivalWindow(
+                float(parts[0]),
+                float(parts[1]),
+                float(parts[2]),
+                parts[3].strip(),
+                float(parts[4]),
+                float(parts[5]),
+            )
+        except ValueError:
+            raise ValueError(f"{p}:{lineno}: not numbers: {line!r}") from None
+        if w.family not in ("", "Gamma", "Weibull"):
+            raise ValueError(f"{p}:{lineno}: unknown family {w.family!r}")
+        out.append(w)
+    return out
+
+
+def _window_iats(w: ArrivalWindow, rate: float, rng: np.random.Generator) -> np.ndarray:
+    """ServeGen's ``_sample_iats``: ``ceil(rate * 600)`` gaps from the window's distribution,
+    rescaled to sum to the window. An empty family with a rate (absent from the shipped
+    files) falls back to Gamma with shape ``1 / cv^2``."""
+    n = math.ceil(rate * SERVEGEN_WINDOW_S)
+    if n <= 0:
+        return np.empty(0)
+    if w.family == "Gamma":
+        iats = rng.gamma(w.param1, w.param2, n)
+    elif w.family == "Weibull":
+        iats = rng.weibull(w.param1, n) * w.param2
+    else:
+        shape = 1.0 / max(w.cv, 1e-3) ** 2
+        iats = rng.gamma(shape, 1.0 / (shape * rate), n)
+    total = float(iats.sum())
+    if not np.isfinite(total) or total <= 0:
+        return np.full(n, SERVEGEN_WINDOW_S / n)
+    return np.asarray(iats * (SERVEGEN_WINDOW_S / total))
+
+
+def servegen_arrivals(
+    clients: Sequence[Sequence[ArrivalWindow]],
+    start_s: float,
+    duration_s: float,
+    rate_scale: float,
+    rng: np.random.Generator,
+) -> np.ndarray:
+    """Arrival times in ``[0, duration_s)`` (relative to ``start_s``), ServeGen's way:
+    per client and 10-minute window, gaps drawn from the window's distribution at its rate
+    times ``rate_scale`` and rescaled to fill the window (``generate_workload``)."""
+    end = start_s + duration_s
+    out: list[np.ndarray] = []
+    for windows in clients:
+        for w in windows:
+            if w.start_s + SERVEGEN_WINDOW_S <= start_s or w.start_s >= end:
+                continue
+            rate = w.rate_rps * rate_scale
+            if rate <= 0:
+                continue
+            ts = w.start_s + np.cumsum(_window_iats(w, rate, rng))
+            ts = ts[(ts < w.start_s + SERVEGEN_WINDOW_S) & (ts >= start_s) & (ts < end)]
+            out.append(ts - start_s)
+    if not out:
+        return np.empty(0)
+    return np.sort(np.concatenate(out))
+
+
+def native_rate(clients: Sequence[Sequence[ArrivalWindow]], start_s: float, dur: float) -> float:
+    """Mean aggregate rate (req/s) the windows give over ``[start_s, start_s + dur)``."""
+    total = 0.0
+    for windows in clients:
+        for w in windows:
+            lo = max(w.start_s, start_s)
+            hi = min(w.start_s + SERVEGEN_WINDOW_S, start_s + dur)
+            if hi > lo:
+                total += w.rate_rps * (hi - lo)
+    return total / dur
+
+
+def servegen_workload(
+    name: str,
+    *,
+    load: float = 1.0,
+    seed: int = 0,
+    duration_s: float | None = None,
+    start_s: float | None = None,
+    rate_rps: float | None = None,
+    data_dir: Path = SERVEGEN,
+    lengths_from: Sequence[TraceRequest] | None = None,
+) -> Workload:
+    """A ServeGen scenario (:data:`SCENARIOS`); ``rate_rps`` (else the scenario's) is the
+    mean rate before ``load`` multiplies it. Prompt and output lengths are drawn jointly
+    (one Azure record per request, uniformly, seeded) from the Azure conversation trace:
+    the ServeGen length files were not copied, so reasoning outputs are not reason-long."""
+    if name not in SCENARIOS:
+        raise ValueError(f"unknown scenario {name!r}; known: {sorted(SCENARIOS)}")
+    if load <= 0:
+        raise ValueError(f"load must be > 0, got {load}")
+    spec = SCENARIOS[name]
+    start = spec.start_s if start_s is None else start_s
+    dur = spec.duration_s if duration_s is None else duration_s
+    clients = [
+        load_servegen_client(data_dir / spec.directory / f"chunk-{c}-trace.csv")
+        for c in spec.clients
+    ]
+    native = native_rate(clients, start, dur)
+    target = spec.rate_rps if rate_rps is None else rate_rps
+    scale = (target / native if native > 0 else 0.0) if target is not None else 1.0
+    rng = np.random.default_rng(seed)
+    times = servegen_arrivals(clients, start, dur, scale * load, rng)
+    pool = lengths_from if lengths_from is not None else load_azure(AZURE_CONV)
+    idx = rng.integers(0, len(pool), size=len(times))
+    reqs = tuple(
+        SimRequest(float(t), pool[i].input_tokens, pool[i].output_tokens)
+        for t, i in zip(times, idx, strict=True)
+    )
+    meta = {
+        "kind": "servegen",
+        "scenario": name,
+        "about": spec.about,
+        "clients": [f"{spec.directory}/chunk-{c}-trace.csv" for c in spec.clients],
+        "start_s": start,
+        "native_rate_rps": native,
+        "rate_rps": (native if target is None else target) * load,
+        "load": load,
+        "seed": seed,
+    }
+    return Workload(f"{name}@{load:g}x", reqs, dur, meta)
+
+
+# --------------------------------------------------------------------------- policies
+
+
+@dataclass(frozen=True)
+class RoleObs:
+    """What a policy sees of one role at a control tick."""
+
+    running: int
+    starting: int
+    target: int
+    handle_queued: int
+    ongoing: int
+    queued_tokens: float
+    tokens_total: float
+    tokens_per_s: float | None
+    token_load: float
+    window_tokens: float | None
+    arrivals: int
+    """Requests that have reached the role so far (cumulative)."""
+
+
+class AutoscalePolicy(Protocol):
+    name: str
+    cold_start_s: float
+
+    def initial(self) -> dict[str, int]:
+        """Replicas running at t = 0."""
+        ...
+
+    def decide(self, now: float, obs: dict[str, RoleObs]) -> dict[str, int]:
+        """Replica targets per role."""
+        ...
+
+
+class AlwaysOn:
+    """A fixed count per role, running from t = 0."""
+
+    name = "always_on"
+
+    def __init__(self, counts: dict[str, int], cold_start_s: float) -> None:
+        self.counts = dict(counts)
+        self.cold_start_s = cold_start_s
+
+    def initial(self) -> dict[str, int]:
+        return dict(self.counts)
+
+    def decide(self, now: float, obs: dict[str, RoleObs]) -> dict[str, int]:
+        return dict(self.counts)
+
+
+@dataclass
+class _ServeRoleState:
+    samples: deque[tuple[float, float]] = field(default_factory=deque)
+    counter: int = 0
+    since: float | None = None
+
+
+class ServeDefault:
+    """Ray Serve's ``replica_queue_length_autoscaling_policy`` with Serve's defaults, per
+    role (see the module docstring)."""
+
+    name = "serve_default"
+
+    def __init__(
+        self,
+        cold_start_s: float,
+        max_replicas: int,
+        *,
+        target_ongoing_requests: float = 2.0,
+        upscale_delay_s: float = 30.0,
+        downscale_delay_s: float = 600.0,
+        look_back_period_s: float = 30.0,
+        min_replicas: int = 0,
+    ) -> None:
+        self.cold_start_s = cold_start_s
+        self.max_replicas = max_replicas
+        self.min_replicas = min_replicas
+        self.target = target_ongoing_requests
+        self.up_delay = upscale_delay_s
+        self.down_delay = downscale_delay_s
+        self.look_back = look_back_period_s
+        self.state = {r: _ServeRoleState() for r in ROLES}
+
+    def initial(self) -> dict[str, int]:
+        return {r: self.min_replicas for r in ROLES}
+
+    def decide(self, now: float, obs: dict[str, RoleObs]) -> dict[str, int]:
+        return {r: self._role(self.state[r], now, o) for r, o in obs.items()}
+
+    def _bounded(self, n: int) -> int:
+        return max(self.min_replicas, min(self.max_replicas, n))
+
+    def _role(self, st: _ServeRoleState, now: float, o: RoleObs) -> int:
+        st.samples.append((now, float(o.ongoing)))
+        while st.samples and st.samples[0][0] <= now - self.look_back:
+            st.samples.popleft()
+        total = sum(v for _, v in st.samples) / len(st.samples)
+        cur, tgt = o.running, o.target
+        # _get_cold_start_scale_up_replicas: 0 running and a request -> up at once
+        if cur == 0 and total > 0:
+            return self._bounded(max(1, tgt))
+        # _core_replica_queue_length_policy
+        desired: float = tgt if cur == 0 else cur * (total / (self.target * cur))
+        # _apply_scaling_factors (factors 1)
+        if cur == 0:
+            scaled = math.ceil(desired)
+        else:
+            scaled = math.ceil(cur + 1.0 * (desired - cur))
+            if math.ceil(float(desired)) < cur and scaled == cur:
+                scaled -= 1
+        if cur == 0 and scaled > 0:
+            return self._bounded(scaled)
+        return self._bounded(self._delay(st, max(0, scaled), tgt, now))
+
+    def _delay(self, st: _ServeRoleState, desired: int, tgt: int, now: float) -> int:
+        """``_apply_delay_logic``: wall-clock delays, the decision counter's sign the way."""
+        decision = tgt
+        if desired > tgt:
+            if st.counter < 0:
+                st.counter, st.since = 0, None
+            st.counter += 1
+            if st.since is None:
+                st.since = now
+            if now - st.since + 1e-6 >= self.up_delay:
+                st.counter, st.since = 0, None
+                decision = desired
+        elif desired < tgt:
+            if st.counter > 0:
+                st.counter, st.since = 0, None
+            st.counter -= 1
+            if tgt != 1:
+                desired = max(1, desired)
+            if st.since is None:
+                st.since = now
+            if now - st.since + 1e-6 >= self.down_delay:
+                st.counter, st.since = 0, None
+                decision = desired
+        else:
+            st.counter, st.since = 0, None
+        return decision
+
+
+@dataclass
+class _SllmRoleState:
+    idle_time: float = 0.0
+    arrivals: int = 0
+
+
+class ServerlessLLM:
+    """ServerlessLLM's router autoscaler with its default config, per role."""
+
+    name = "serverlessllm"
+
+    def __init__(
+        self,
+        cold_start_s: float,
+        max_replicas: int,
+        *,
+        target: int = 1,
+        min_instances: int = 0,
+        keep_alive_s: float = 0.0,
+        interval_s: float = 1.0,
+    ) -> None:
+        self.cold_start_s = cold_start_s
+        self.max_replicas = max_replicas
+        self.target = target
+        self.min_instances = min_instances
+        self.keep_alive = keep_alive_s
+        self.interval = interval_s
+        self.state = {r: _SllmRoleState() for r in ROLES}
+
+    def initial(self) -> dict[str, int]:
+        return {r: self.min_instances for r in ROLES}
+
+    def decide(self, now: float, obs: dict[str, RoleObs]) -> dict[str, int]:
+        out = {}
+        for r, o in obs.items():
+            st = self.state[r]
+            if o.arrivals != st.arrivals:  # a request arrived: idle_time = 0
+                st.arrivals, st.idle_time = o.arrivals, 0.0
+            desired = (o.ongoing + self.target - 1) // self.target
+            desired = min(self.max_replicas, max(self.min_instances, desired))
+            num = o.running + o.starting
+            if desired > num:
+                out[r] = num + 1
+            elif desired < num:
+                if st.idle_time >= self.keep_alive:
+                    out[r] = num - 1
+                    st.idle_time = 0.0
+                else:
+                    out[r] = num
+                    st.idle_time += self.interval
+            else:
+                out[r] = num
+        return out
+
+
+class WarmPool:
+    """Ours: :func:`controllers.autoscale.decide`, called as-is (``paired=True``)."""
+
+    name = "warm_pool"
+
+    def __init__(self, cfg: AutoscaleConfig, cold_start_s: float) -> None:
+        self.cfg = cfg
+        self.cold_start_s = cold_start_s
+        self.state = AutoscaleState()
+        self.reasons: Counter[str] = Counter()
+
+    def initial(self) -> dict[str, int]:
+        return {r: getattr(self.cfg, r).initial() for r in ROLES}
+
+    def decide(self, now: float, obs: dict[str, RoleObs]) -> dict[str, int]:
+        demand = {
+            r: RoleDemand(
+                running=o.running,
+                target=o.target,
+                handle_queued=float(o.handle_queued),
+                ongoing=float(o.ongoing),
+                queued_uncached_tokens=o.queued_tokens if r == "prefill" else 0.0,
+                queued_window_tokens=o.queued_tokens if r == "decode" else 0.0,
+                uncached_tokens_total=o.tokens_total if r == "prefill" else None,
+                tokens_per_s=o.tokens_per_s,
+                token_load=o.token_load,
+                window_tokens=o.window_tokens,
+            )
+            for r, o in obs.items()
+        }
+        self.state, decisions = decide(self.state, demand, self.cfg, now, paired=True)
+        for r, d in decisions.items():
+            self.reasons[f"{r}:{d.reason}"] += 1
+        return {r: d.replicas for r, d in decisions.items()}
+
+
+def warm_pool_config(params: SimParams, **overrides: Any) -> AutoscaleConfig:
+    """The AutoscaleConfig the simulator runs warm_pool with: bounds ``[0, max_replicas]``,
+    the modelled prefill throughput and cold start; ``overrides`` are AutoscaleConfig
+    fields (validated)."""
+    base: dict[str, Any] = {
+        "enabled": True,
+        "prefill": RoleBounds(min_replicas=0, max_replicas=params.max_replicas),
+        "decode": RoleBounds(min_replicas=0, max_replicas=params.max_replicas),
+        "prefill_tokens_per_s": params.prefill_tokens_per_s,
+        "cold_start_s": params.standard_cold_start_s(),
+    }
+    return AutoscaleConfig.model_validate({**base, **overrides})
+
+
+def peak_sizing(wl: Workload, params: SimParams) -> dict[str, int]:
+    """always_on's counts: the busiest ``peak_window_s`` of demand per role over a
+    replica's capacity at ``always_on_utilization`` (see the module docstring)."""
+    utilization = params.always_on_utilization
+    if not wl.requests:
+        return {"prefill": 1, "decode": 1}
+    arr = np.array([r.arrival_s for r in wl.requests])
+    prompt = np.array([r.prompt_tokens for r in wl.requests], dtype=float)
+    out = np.array([max(1, r.output_tokens) for r in wl.requests], dtype=float)
+    horizon = int(math.ceil(max(wl.duration_s, float(arr.max()) + out.max() * params.itl_s))) + 2
+    win = max(1, int(round(params.peak_window_s)))
+    tok = np.zeros(horizon)
+    np.add.at(tok, arr.astype(int), prompt)
+    load = np.zeros(horizon + 1)
+    start = arr.astype(int)
+    end = np.minimum((arr + out * params.itl_s).astype(int) + 1, horizon)
+    np.add.at(load, start, prompt + out)
+    np.add.at(load, end, -(prompt + out))
+    load = np.cumsum(load)[:horizon]
+
+    def peak(series: np.ndarray) -> float:
+        c = np.concatenate([[0.0], np.cumsum(series)])
+        w = min(win, len(series))
+        return float((c[w:] - c[:-w]).max() / w)
+
+    n_p = math.ceil(peak(tok) / (params.prefill_tokens_per_s * utilization) - 1e-9)
+    n_d = math.ceil(peak(load) / (params.decode_window_tokens * utilization) - 1e-9)
+    return {
+        "prefill": max(1, min(params.max_replicas, n_p)),
+        "decode": max(1, min(params.max_replicas, n_d)),
+    }
+
+
+# --------------------------------------------------------------------------- simulator
+
+_READY, _PREFILL_DONE, _DECODE_DONE, _ARRIVAL, _TICK = range(5)
+
+
+@dataclass(eq=False)
+class _Replica:
+    role: str
+    started_s: float
+    ready_s: float
+    warm: bool = False
+    draining: bool = False
+    stopped_s: float | None = None
+    busy_req: int | None = None  # prefill
+    busy_until: float = 0.0
+    load: float = 0.0  # decode
+    active: int = 0
+
+    @property
+    def idle(self) -> bool:
+        return self.busy_req is None and self.active == 0
+
+
+@dataclass
+class SimResult:
+    """One policy on one workload (simulated)."""
+
+    policy: str
+    metrics: dict[str, Any]
+    ttft_s: np.ndarray
+    timeline: list[tuple[float, int, int]]
+
+
+class _Sim:
+    def __init__(
+        self, wl: Workload, policy: AutoscalePolicy, params: SimParams, timeline: bool
+    ) -> None:
+        self.wl = wl
+        self.reqs = wl.requests
+        self.policy = policy
+        self.p = params
+        self.mu = params.prefill_tokens_per_s
+        self.window = params.decode_window_tokens
+        self.cold_s = policy.cold_start_s
+        self.keep_timeline = timeline
+        self.heap: list[tuple[float, int, int, Any]] = []
+        self.seq = 0
+        self.alive: dict[str, list[_Replica]] = {r: [] for r in ROLES}
+        self.stopped: list[_Replica] = []
+        self.target = {r: 0 for r in ROLES}
+        self.pq: deque[int] = deque()
+        self.pq_tokens = 0.0
+        self.dq: deque[int] = deque()
+        self.arrived_tokens = 0.0
+        self.prefills_done = 0
+        self.arrivals = {r: 0 for r in ROLES}
+        n = len(self.reqs)
+        self.ttft = np.full(n, np.nan)
+        self.prefill_done_s = np.full(n, np.nan)
+        self.cold = np.zeros(n, dtype=np.int8)  # bit 1: prefill, bit 2: decode
+        self.from_zero = np.zeros(n, dtype=bool)
+        self.completed = 0
+        self.ups = {r: 0 for r in ROLES}
+        self.downs = {r: 0 for r in ROLES}
+        self.peak = {r: 0 for r in ROLES}
+        self.timeline: list[tuple[float, int, int]] = []
+
+    def push(self, t: float, kind: int, obj: Any) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (t, kind, self.seq, obj))
+
+    def run(self) -> SimResult:
+        for role, k in self.policy.initial().items():
+            for _ in range(k):
+                self.alive[role].append(_Replica(role, 0.0, 0.0, warm=True))
+            self.target[role] = k
+        for i, r in enumerate(self.reqs):
+            self.push(r.arrival_s, _ARRIVAL, i)
+        self.push(0.0, _TICK, None)
+        n = len(self.reqs)
+        limit = self.wl.duration_s + 7 * 86400.0
+        while self.heap:
+            now, kind, _, obj = heapq.heappop(self.heap)
+            if kind == _TICK:
+                if self.completed >= n and now >= self.wl.duration_s:
+                    break
+                if now > limit:
+                    raise RuntimeError(f"{self.policy.name}: requests still pending at {now:.0f} s")
+                self.tick(now)
+                self.push(now + self.p.control_interval_s, _TICK, None)
+            elif kind == _ARRIVAL:
+                self.arrive(obj, now)
+            elif kind == _PREFILL_DONE:
+                self.prefill_done(obj, now)
+            elif kind == _DECODE_DONE:
+                self.decode_done(obj[0], obj[1], now)
+            else:
+                self.ready(obj, now)
+        return self.result()
+
+    # ---- events
+
+    def arrive(self, i: int, now: float) -> None:
+        r = self.reqs[i]
+        self.arrived_tokens += r.prompt_tokens
+        self.arrivals["prefill"] += 1
+        self.from_zero[i] |= not self._running("prefill")
+        self.pq.append(i)
+        self.pq_tokens += r.prompt_tokens
+        self.dispatch_prefill(now)
+
+    def ready(self, rep: _Replica, now: float) -> None:
+        if rep.stopped_s is not None:  # cancelled while starting
+            return
+        rep.warm = True
+        if rep.role == "prefill":
+            self.dispatch_prefill(now)
+        else:
+            self.dispatch_decode(now)
+
+    def prefill_done(self, rep: _Replica, now: float) -> None:
+        i = rep.busy_req
+        assert i is not None
+        rep.busy_req = None
+        self.prefills_done += 1
+        self.prefill_done_s[i] = now
+        self.arrivals["decode"] += 1
+        self.from_zero[i] |= not self._running("decode")
+        self.dq.append(i)
+        if rep.draining:
+            self._stop(rep, now)
+        self.dispatch_prefill(now)
+        self.dispatch_decode(now)
+
+    def decode_done(self, rep: _Replica, i: int, now: float) -> None:
+        r = self.reqs[i]
+        rep.load -= r.prompt_tokens + r.output_tokens
+        rep.active -= 1
+        self.completed += 1
+        if rep.draining and rep.active == 0:
+            self._stop(rep, now)
+        self.dispatch_decode(now)
+
+    # ---- dispatch
+
+    def _running(self, role: str) -> bool:
+        return any(r.warm and not r.draining for r in self.alive[role])
+
+    def dispatch_prefill(self, now: float) -> None:
+        while self.pq:
+            rep = next(
+                (
+                    r
+                    for r in self.alive["prefill"]
+                    if r.warm and not r.draining and r.busy_req is None
+                ),
+                None,
+            )
+            if rep is None:
+                return
+            i = self.pq.popleft()
+            req = self.reqs[i]
+            self.pq_tokens -= req.prompt_tokens
+            if rep.ready_s > req.arrival_s:
+                self.cold[i] |= 1
+            rep.busy_req = i
+            rep.busy_until = now + req.prompt_tokens / self.mu
+            self.push(rep.busy_until, _PREFILL_DONE, rep)
+
+    def dispatch_decode(self, now: float) -> None:
+        while self.dq:
+            i = self.dq[0]
+            req = self.reqs[i]
+            need = req.prompt_tokens + req.output_tokens
+            best: _Replica | None = None
+            for r in self.alive["decode"]:
+                if not r.warm or r.draining:
+                    continue
+                if r.active and r.load + need > self.window:
+                    continue
+                if best is None or r.load < best.load:
+                    best = r
+            if best is None:
+                return
+            self.dq.popleft()
+            if best.ready_s > self.prefill_done_s[i]:
+                self.cold[i] |= 2
+            best.load += need
+            best.active += 1
+            self.ttft[i] = now + self.p.itl_s - req.arrival_s
+            done = now + max(1, req.output_tokens) * self.p.itl_s
+            self.push(done, _DECODE_DONE, (best, i))
+
+    # ---- control
+
+    def observe(self, role: str, now: float) -> RoleObs:
+        alive = self.alive[role]
+        running = [r for r in alive if r.warm and not r.draining]
+        starting = sum(1 for r in alive if not r.warm)
+        if role == "prefill":
+            busy = [r for r in alive if r.busy_req is not None]
+            remaining = sum(max(0.0, r.busy_until - now) * self.mu for r in busy)
+            q = len(self.pq)
+            return RoleObs(
+                running=len(running),
+                starting=starting,
+                target=self.target[role],
+                handle_queued=0 if running else q,
+                ongoing=q + len(busy),
+                queued_tokens=remaining + (self.pq_tokens if running else 0.0),
+                tokens_total=self.arrived_tokens - (0.0 if running else self.pq_tokens),
+                tokens_per_s=self.mu if self.prefills_done else None,
+                token_load=0.0,
+                window_tokens=None,
+                arrivals=self.arrivals[role],
+            )
+        q = len(self.dq)
+        # requests waiting for a decode window: in the replicas' gates (their window tokens)
+        # while a replica runs, at the handle (a count) while none does
+        waiting = sum(self.reqs[i].prompt_tokens + self.reqs[i].output_tokens for i in self.dq)
+        return RoleObs(
+            running=len(running),
+            starting=starting,
+            target=self.target[role],
+            handle_queued=0 if running else q,
+            ongoing=q + sum(r.active for r in alive),
+            queued_tokens=float(waiting) if running else 0.0,
+            tokens_total=0.0,
+            tokens_per_s=None,
+            token_load=sum(r.load for r in running),
+            window_tokens=self.window,
+            arrivals=self.arrivals[role],
+        )
+
+    def tick(self, now: float) -> None:
+        obs = {r: self.observe(r, now) for r in ROLES}
+        targets = self.policy.decide(now, obs)
+        for role in ROLES:
+            self.apply(role, targets.get(role, self.target[role]), now)
+            self.peak[role] = max(self.peak[role], len(self.alive[role]))
+        if self.keep_timeline:
+            self.timeline.append((now, len(self.alive["prefill"]), len(self.alive["decode"])))
+
+    def apply(self, role: str, n: int, now: float) -> None:
+        n = max(0, min(self.p.max_replicas, int(n)))
+        self.target[role] = n
+        live = [r for r in self.alive[role] if not r.draining]
+        if n > len(live):
+            for _ in range(n - len(live)):
+                rep = _Replica(role, now, now + self.cold_s)
+                self.alive[role].append(rep)
+                self.ups[role] += 1
+                if self.cold_s <= 0:
+                    rep.warm = True
+                else:
+                    self.push(rep.ready_s, _READY, rep)
+            if self.cold_s <= 0:
+                self.dispatch_prefill(now)
+                self.dispatch_decode(now)
+            return
+        k = len(live) - n
+        if k <= 0:
+            return
+        starting = sorted((r for r in live if not r.warm), key=lambda r: -r.started_s)
+        idle = [r for r in live if r.warm and r.idle]
+        busy = sorted(
+            (r for r in live if r.warm and not r.idle),
+            key=lambda r: r.active if role == "decode" else r.busy_until,
+        )
+        for rep in (starting + idle + busy)[:k]:
+            self.downs[role] += 1
+            if not rep.warm or rep.idle:
+                self._stop(rep, now)
+            else:
+                rep.draining = True
+
+    def _stop(self, rep: _Replica, now: float) -> None:
+        rep.stopped_s = now
+        self.alive[rep.role].remove(rep)
+        self.stopped.append(rep)
+
+    # ---- result
+
+    def result(self) -> SimResult:
+        d = self.wl.duration_s
+        by_role = {r: 0.0 for r in ROLES}
+        for rep in self.stopped + [x for r in ROLES for x in self.alive[r]]:
+            end = d if rep.stopped_s is None else min(rep.stopped_s, d)
+            by_role[rep.role] += max(0.0, end - min(rep.started_s, d))
+        n = len(self.reqs)
+        cold = self.cold != 0
+        ttft = self.ttft[~np.isnan(self.ttft)]
+        metrics: dict[str, Any] = {
+            "cold_start_fraction": float(cold.mean()) if n else 0.0,
+            "from_zero_fraction": float(self.from_zero.mean()) if n else 0.0,
+            "two_cold_starts_fraction": float((self.cold == 3).mean()) if n else 0.0,
+            "ttft": summarize(ttft),
+            "ttft_cold": summarize(self.ttft[cold]),
+            "replica_seconds": sum(by_role.values()),
+            "replica_seconds_by_role": by_role,
+            "mean_replicas": {r: by_role[r] / d for r in ROLES},
+            "peak_replicas": dict(self.peak),
+            "scale_ups": sum(self.ups.values()),
+            "scale_downs": sum(self.downs.values()),
+            "scale_ups_by_role": dict(self.ups),
+            "scale_downs_by_role": dict(self.downs),
+            "cold_start_s": self.cold_s,
+            "n_requests": n,
+            "completed": self.completed,
+        }
+        return SimResult(self.policy.name, metrics, ttft, self.timeline)
+
+
+def simulate(
+    wl: Workload, policy: AutoscalePolicy, params: SimParams, *, timeline: bool = True
+) -> SimResult:
+    """Run one policy over one workload (simulated)."""
+    return _Sim(wl, policy, params, timeline).run()
+
+
+def make_policy(
+    name: str,
+    params: SimParams,
+    cfg: AutoscaleConfig,
+    always_on: dict[str, int],
+) -> AutoscalePolicy:
+    std = params.standard_cold_start_s()
+    if name == "always_on":
+        return AlwaysOn(always_on, std)
+    if name == "serve_default":
+        return ServeDefault(std, params.max_replicas)
+    if name == "serverlessllm":
+        return ServerlessLLM(
+            params.fast_cold_start_s(), params.max_replicas, interval_s=params.control_interval_s
+        )
+    if name == "warm_pool":
+        return WarmPool(cfg, std)
+    raise ValueError(f"unknown policy {name!r}; known: {list(POLICY_NAMES)}")
+
+
+def run_policies(
+    wl: Workload,
+    names: Sequence[str],
+    params: SimParams,
+    cfg: AutoscaleConfig,
+    *,
+    always_on: dict[str, int] | None = None,
+    on_done: Callable[[], None] | None = None,
+) -> tuple[dict[str, Any], dict[str, SimResult]]:
+    """Every policy in ``names`` on ``wl``; results as JSON-able dicts (plus the raw runs).
+    ``always_on`` is always simulated (the reference), reported only when asked for."""
+    sizing = always_on or peak_sizing(wl, params)
+    runs: dict[str, SimResult] = {}
+    order = ["always_on"] + [n for n in names if n != "always_on"]
+    for name in order:
+        runs[name] = simulate(wl, make_policy(name, params, cfg, sizing), params)
+        if on_done is not None:
+            on_done()
+    ref = runs["always_on"].metrics["replica_seconds"]
+    out: dict[str, Any] = {}
+    for name in names:
+        m = dict(runs[name].metrics)
+        m["replica_seconds_ratio"] = m["replica_seconds"] / ref if ref > 0 else None
+        if name == "warm_pool":
+            m["config"] = cfg.model_dump(mode="json")
+        out[name] = m
+    return out, runs
+
+
+def pareto_sweep(
+    wl: Workload,
+    params: SimParams,
+    cfg: AutoscaleConfig,
+    keep_alives: Iterable[float],
+    pools: Iterable[int],
+    reference_replica_seconds: float,
+    *,
+    on_done: Callable[[], None] | None = None,
+) -> list[dict[str, Any]]:
+    """warm_pool at each (keep-alive, warm pool) pair: cold-start fraction against
+    replica-seconds (absolute and as a share of always_on's)."""
+    points = []
+    for pool in pools:
+        for ka in keep_alives:
+            c = cfg.model_copy(update={"idle_to_zero_s": float(ka), "warm_pool": int(pool)})
+            c = AutoscaleConfig.model_validate(c.model_dump())
+            m = simulate(wl, WarmPool(c, params.standard_cold_start_s()), params, timeline=False)
+            rs = m.metrics["replica_seconds"]
+            points.append(
+                {
+                    "keep_alive_s": float(ka),
+                    "warm_pool": int(pool),
+                    "cold_start_fraction": m.metrics["cold_start_fraction"],
+                    "replica_seconds": rs,
+                    "replica_seconds_ratio": rs / reference_replica_seconds
+                    if reference_replica_seconds > 0
+                    else None,
+                    "ttft_p99": m.metrics["ttft"]["p99"],
+                }
+            )
+            if on_done is not None:
+                on_done()
+    return points
+
+
+# --------------------------------------------------------------------------- output
+
+
+def table_rows(results: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
+    headers = [
+        "policy",
+        "cold_frac",
+        "from_zero",
+        "ttft_p50_s",
+        "ttft_p99_s",
+        "ttft_mean_s",
+        "replica_s",
+        "ratio",
+        "ups",
+        "downs",
+        "peak_P/D",
+    ]
+    rows = []
+    for key, m in results.items():
+        t = m["ttft"]
+        ratio = m.get("replica_seconds_ratio")
+        rows.append(
+            [
+                key,
+                round(m["cold_start_fraction"], 4),
+                round(m["from_zero_fraction"], 4),
+                _r(t["p50"]),
+                _r(t["p99"]),
+                _r(t["mean"]),
+                round(m["replica_seconds"], 1),
+                "-" if ratio is None else round(ratio, 3),
+                m["scale_ups"],
+                m["scale_downs"],
+                f"{m['peak_replicas']['prefill']}/{m['peak_replicas']['decode']}",
+            ]
+        )
+    return headers, rows
+
+
+def _r(x: float | None) -> float | str:
+    return "-" if x is None else round(x, 3)
+
+
+def plot(runs_by_load: Sequence[tuple[str, dict[str, SimResult]]], path: str, title: str) -> None:
+    """Per load: TTFT CDF per policy, and replicas (both roles) over time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(runs_by_load)
+    fig, axes = plt.subplots(n, 2, figsize=(12, 3.6 * n), squeeze=False)
+    for row, (label, runs) in enumerate(runs_by_load):
+        ax_cdf, ax_rep = axes[row]
+        for name, res in runs.items():
+            if res.ttft_s.size:
+                xs = np.sort(res.ttft_s)
+                ax_cdf.plot(xs, np.arange(1, xs.size + 1) / xs.size, label=name)
+            if res.timeline:
+                t = [x[0] for x in res.timeline]
+                ax_rep.step(t, [x[1] + x[2] for x in res.timeline], where="post", label=name)
+        ax_cdf.set_xscale("log")
+        ax_cdf.set_xlabel("TTFT (s)")
+        ax_cdf.set_ylabel("CDF")
+        ax_cdf.set_title(f"TTFT, {label} (simulated)")
+        ax_cdf.legend(fontsize=8)
+        ax_rep.set_xlabel("time (s)")
+        ax_rep.set_ylabel("replicas (prefill + decode)")
+        ax_rep.set_title(f"replicas over time, {label} (simulated)")
+        ax_rep.legend(fontsize=8)
+    fig.suptitle(f"SIMULATED autoscaling: {title}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_pareto(
+    panels: Sequence[tuple[str, list[dict[str, Any]], dict[str, Any]]],
+    path: str,
+    title: str,
+    goal: tuple[float, float] | None = (0.70, 0.05),
+) -> None:
+    """Cold-start fraction against replica-seconds (share of always_on's): warm_pool's sweep
+    (one line per warm pool size, keep-alive labelled) and the baselines as points."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FormatStrFormatter
+
+    n = len(panels)
+    cols = min(3, n)
+    rows = math.ceil(n / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(6.5 * cols, 5 * rows), squeeze=False)
+    for ax in axes.flat[n:]:
+        ax.set_visible(False)
+    markers = {"always_on": "s", "serve_default": "^", "serverlessllm": "v", "warm_pool": "*"}
+    for ax, (label, points, baselines) in zip(axes.flat, panels, strict=False):
+        for pool in sorted({p["warm_pool"] for p in points}):
+            pts = sorted(
+                (p for p in points if p["warm_pool"] == pool), key=lambda p: p["keep_alive_s"]
+            )
+            xs = [p["replica_seconds_ratio"] for p in pts]
+            ys = [p["cold_start_fraction"] for p in pts]
+            ax.plot(xs, ys, "o-", label=f"warm_pool, pool={pool}")
+            for p, x, y in zip(pts, xs, ys, strict=True):
+                ax.annotate(f"{p['keep_alive_s']:g}s", (x, y), fontsize=7, alpha=0.8)
+        for name, m in baselines.items():
+            ax.plot(
+                m["replica_seconds_ratio"],
+                m["cold_start_fraction"],
+                markers.get(name, "x"),
+                markersize=10,
+                color="black" if name == "always_on" else None,
+                label=f"{name} (run config)",
+            )
+        if goal is not None:
+            ax.axvline(goal[0], ls="--", color="grey", lw=0.8)
+            ax.axhline(goal[1], ls="--", color="grey", lw=0.8)
+        ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(FormatStrFormatter("%.2g"))
+        ax.xaxis.set_minor_formatter(FormatStrFormatter("%.2g"))
+        ax.tick_params(axis="x", which="minor", labelsize=7)
+        ax.set_xlabel("replica-seconds / always_on's (log)")
+        ax.set_ylabel("cold-start fraction of requests")
+        ax.set_title(f"{label} (simulated)")
+        ax.legend(fontsize=7)
+    fig.suptitle(
+        f"SIMULATED: cold starts vs replica-seconds as keep-alive and warm pool move; {title}"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
