@@ -8,7 +8,7 @@ Units: tokens are ``int``, times are seconds (``float``).
 
 Layering note: ``controllers/`` may import stdlib, numpy and pydantic. pydantic is
 pure validation with no I/O; it is allowed here so that the one config tree can
-validate the policies' own parameters (DESIGN.md shape 6).
+validate the policies' own parameters (docs/design.md, shape 6).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The llm-d shape: **filter**, then **weighted scores in [0, 1]**, then **pick**.
 
 Inputs are frozen snapshots; the router's own bookkeeping (tokens it has sent that a
 replica has not yet reported, fallback counters) lives in :class:`RouterState`, passed in
-and returned (DESIGN.md shape 3). The mechanism (Ray Serve router, cluster simulator)
+and returned (docs/design.md, shape 3). The mechanism (Ray Serve router, cluster simulator)
 owns the index look-up and its time-out, and passes ``matches=None`` when the index was
 unavailable or too slow: that is the named, counted ``index_unavailable`` fallback.
 

@@ -1,6 +1,6 @@
 """Token Window Pacing (TWP): a token-window admission gate for decode (paper: seeds ``001_*``).
 
-Pure functions over an explicit, frozen state (DESIGN.md shape 3)::
+Pure functions over an explicit, frozen state (docs/design.md, shape 3)::
 
     state = init_state(TWPConfig(...), profile)           # once per replica
     # after every engine step t (the paper's Algorithm 1, steps 1-2: monitor, window):
@@ -111,7 +111,7 @@ def resolve(config: TWPConfig, profile: EngineProfile) -> TWPParams:
 
 @dataclass(frozen=True, slots=True)
 class TWPCounters:
-    """Named, counted events (DESIGN.md shape 8)."""
+    """Named, counted events (docs/design.md, shape 8)."""
 
     admitted: int = 0
     force_admitted: int = 0

@@ -5,7 +5,7 @@ vLLM scheduler plug-in in ``engines/``, or the simulator in ``bench/``) with a f
 snapshot of the waiting queue and the time ``now`` (seconds, same monotonic clock as
 the arrival times). It returns the request ids in the order the engine should try
 to admit them. It never mutates the queue; the mechanism keeps the budget loop,
-chunking, allocation and preemption (DESIGN.md shapes 1 and 2).
+chunking, allocation and preemption (docs/design.md, shapes 1 and 2).
 
 Per request, only ``cached_tokens``/``uncached_tokens`` and the wait move between
 steps; ``patience_s`` is computed once at arrival (:func:`patience_s`).
