@@ -108,7 +108,7 @@ class EngineConfig(EngineSettings):
         "(Fairway, TWP) does not order them, and a request can wait there into "
         "engine_timeout_s (504). The engines' queues are bounded by the ingress instead "
         "(max_queued_*_per_replica, max_expected_wait_s). At 256, a soak at 1.5x saturation "
-        "gave 41 of 1,506 requests 'decode timed out' (504); at 4096, none (README, Overload). "
+        "gave 41 of 1,506 requests 'decode timed out' (504); at 4096, none (docs/operations.md, Overload). "
         "Ray Serve LLM sets 1e9.",
     )
     runtime: Literal["auto", Runtime] = Field(

@@ -221,7 +221,7 @@ def single_prompt(prompt: Any) -> str | list[int]:
 
 
 #: field -> (is its value one the PD path cannot honour?, why). The one list of refusals: the
-#: README's table and the contract test over vLLM's request fields read it.
+#: API document's table (docs/api.md) and the contract test over vLLM's request fields read it.
 REFUSED: dict[str, tuple[Callable[[Any, Any], bool], str]] = {
     "use_beam_search": (
         lambda v, r: bool(v),

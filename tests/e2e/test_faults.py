@@ -421,8 +421,15 @@ def test_redis_killed_mid_run_routes_by_load_then_the_index_is_rebuilt(
         t.join(120)
     assert not t.is_alive()
     assert tally.completed == tally.sent, tally
-    out = call(faults, body(base[: 4 * BLOCK] + [7, 7], 2), tally)
-    assert out["pdserve"]["prefill_replica"] == holder  # routed by the rebuilt index
+    # Routed by the rebuilt index: to a replica it says holds the prefix. While Redis was
+    # down the traffic went by load, so the other replica may hold the prefix too; then the
+    # index ties them and load decides (the full run saw the other one win), so the check is
+    # "a holder", not "the first holder".
+    probe = base[: 4 * BLOCK] + [7, 7]
+    holders = {r for r, m in matches(faults, probe).items() if m >= 4 * BLOCK}
+    assert holder in holders
+    out = call(faults, body(probe, 2), tally)
+    assert out["pdserve"]["prefill_replica"] in holders, (out["pdserve"], holders)
 
 
 def test_a_decode_replica_gone_before_the_first_token_is_retried_on_another(
