@@ -84,7 +84,8 @@ def build_app(delay_s: float, replicas: int = 1, refuse: float = 0.0) -> Any:
                 "usage": {"prompt_tokens": n, "completion_tokens": 16, "total_tokens": n + 16},
             }
 
-    return Control.bind()
+    deployment: Any = Control  # Serve's decorator makes the class a Deployment
+    return deployment.bind()
 
 
 def _spin() -> None:

@@ -587,12 +587,12 @@ def twp_rows(reports: dict[int, dict[str, Any]]) -> list[list[str]]:
                 unit="ms",
             )
         )
-        for label, key, best in (
+        for label, metric, best in (
             ("lowest e2e p99", lambda b: b["e2e"]["p99"], min),
             ("highest throughput (tok/s)", lambda b: b["throughput_tps"], max),
             ("lowest ITL CV", lambda b: b["itl"]["cv"], min),
         ):
-            vals = {p: key(pol[p]) for p in (*TWP_BASELINES, "twp") if p in pol}
+            vals = {p: metric(pol[p]) for p in (*TWP_BASELINES, "twp") if p in pol}
             rows.append(_winner_row(f"direction: TWP has the {label}", f"seed {seed}", vals, best))
     return rows
 
