@@ -1,10 +1,11 @@
 """Two commits' ingress overhead side by side: the same closed-loop load on the live app, run
 alternately from each commit's own tree (A B A B ...), so the machine's drift falls on both.
 
-Each run is ``pdserve bench routing`` of that tree (its closed-loop phase: ``streams``
-concurrent streams on the warm app, the ``test`` model, one policy), started in a process
-whose ``PYTHONPATH`` is the tree, so its Ray workers import that tree's code and not the
-installed one. What is compared is the ingress's own time per phase
+Each run deploys that tree's app (``bench routing``'s layout on the ``test`` model: two
+prefill replicas, one decode replica, the memory index) from a driver process whose
+``PYTHONPATH`` is the tree, so its Ray workers import that tree's code and not the installed
+one; this tree's client then sends a discarded warm-up and ``requests`` shared-document
+prompts over ``streams`` closed-loop streams, the same for both sides. What is compared is the ingress's own time per phase
 (``/v1/pdserve/stats``' ``ingress.phases_s``: wall time outside the engines) and its total
 overhead per request, as the median over rounds of each run's p50 and p99, and their ratios
 ``after / before``. Ratios in one run are the result; absolute times drift on shared cores.
@@ -13,7 +14,6 @@ overhead per request, as the median over rounds of each run's p50 and p99, and t
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -44,34 +44,127 @@ def drop_worktree(repo: Path, dest: Path) -> None:
     )
 
 
-def run_once(tree: Path, out: Path, streams: int, requests: int, seed: int) -> dict[str, Any]:
-    """One ``bench routing`` run of ``tree``'s code; its closed-loop summary."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "pdserve",
-        "bench",
-        "routing",
-        "--preset",
-        "test",
-        "--policies",
-        "prefix_load",
-        "--requests",
-        str(requests),
-        "--overhead-streams",
-        str(streams),
-        "--seed",
-        str(seed),
-        "--json",
-        str(out),
-    ]
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    subprocess.run(cmd, cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL)
-    res = json.loads(out.read_text())
-    first = next(iter(res["policies"].values()))
-    if "closed_loop" not in first:
-        raise RuntimeError(f"{tree}: the run has no closed-loop phase")
-    return dict(first["closed_loop"])
+def token_env(folder: Path) -> dict[str, str]:
+    """This environment with Ray's token auth on and a token of the run's own in ``folder``
+    (made once), so each side's local head and driver agree whatever either tree's bench
+    sets."""
+    from deployments.local import ensure_ray_token, local_env
+
+    env = {
+        **local_env(),
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN_PATH": str(folder / "auth_token"),
+    }
+    env.pop("RAY_AUTH_TOKEN", None)
+    ensure_ray_token(env)
+    return env
+
+
+#: the driver each side runs from its own tree: deploys that tree's app and holds it up until
+#: its stdin closes (the measuring client is this tree's, the same for both sides)
+DRIVER = """
+import json, sys
+import ray
+from ray import serve
+from deployments.app import build_app
+
+args, port = json.loads(sys.argv[1]), int(sys.argv[2])
+ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+serve.start(http_options={"host": "127.0.0.1", "port": port})
+serve.run(build_app(args), name="pdserve", route_prefix="/", blocking=False)
+print("deployed", flush=True)
+sys.stdin.read()
+serve.shutdown()
+ray.shutdown()
+"""
+
+
+def load(url: str, arrivals: list[Any], streams: int, max_tokens: int) -> None:
+    """``arrivals`` over ``streams`` closed-loop streams; any failed request ends the run (a
+    refused request is cheap, and counting only the rest would flatter the ingress)."""
+    import asyncio
+
+    import httpx
+
+    from bench.live.routing import _one
+
+    queue = list(arrivals)
+    failed: list[str] = []
+
+    async def go() -> None:
+        async with httpx.AsyncClient(timeout=600) as client:
+
+            async def worker() -> None:
+                while queue:
+                    r = await _one(client, url, queue.pop().ids, max_tokens)
+                    if not r.ok:
+                        failed.append(r.error)
+
+            await asyncio.gather(*(worker() for _ in range(streams)))
+
+    asyncio.run(go())
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(arrivals)} requests failed, e.g. {failed[0]}")
+
+
+def run_once(
+    tree: Path, folder: Path, streams: int, requests: int, seed: int, port: int = 8766
+) -> dict[str, Any]:
+    """Deploy ``tree``'s app, run ``requests`` closed-loop requests over ``streams`` streams
+    (after a discarded warm-up of as many), and return the ingress's stats of that load."""
+    import random
+
+    from bench.live.routing import (
+        _get,
+        _reset,
+        _vocab,
+        _wait_gone,
+        _wait_ready,
+        app_args,
+    )
+    from bench.workloads.rag import RagMix, rag_mix
+    from deployments.config import load_app_config
+
+    # bench routing's app (two Fairway prefill replicas on core 0, one TWP decode replica on
+    # core 1, the memory index, keys off on loopback) on the test model
+    args = app_args("test", 2, None)
+    cfg = load_app_config(args)
+    env = {**token_env(folder), "PYTHONPATH": str(tree)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", DRIVER, json.dumps(args), str(port)],
+        cwd=tree,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_ready(url, cfg.prefill.num_replicas)
+        mix = RagMix(requests=2 * requests, documents=8, doc_blocks=4, seed=seed, max_tokens=16)
+        arrivals = rag_mix(mix, _vocab(cfg.model.resolved_path()))
+        rng = random.Random(seed)
+        rng.shuffle(arrivals)
+        load(url, arrivals[:requests], streams, mix.max_tokens)  # warm-up, discarded
+        mark = _reset(url)["ingress"]["requests"]
+        load(url, arrivals[requests:], streams, mix.max_tokens)
+        s = _get(url, "/v1/pdserve/stats")["ingress"]
+        if s["requests"] - mark != requests:
+            raise RuntimeError(f"{tree}: the ingress counted {s['requests'] - mark} of {requests}")
+        return {
+            "streams": streams,
+            "requests": s["requests"] - mark,
+            "ingress_overhead_s": s["overhead_s"],
+            "phases_s": s["phases_s"],
+        }
+    finally:
+        if proc.stdin is not None:
+            proc.stdin.close()
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        _wait_gone("ServeReplica:pdserve:")
 
 
 def summary(runs: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
@@ -112,7 +205,7 @@ def run(
     *,
     rounds: int = 3,
     streams: int = 8,
-    requests: int = 24,
+    requests: int = 64,
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
@@ -126,8 +219,7 @@ def run(
         try:
             for k in range(rounds):
                 for side in ("before", "after"):
-                    out = base / f"{side}-{k}.json"
-                    results[side].append(run_once(trees[side], out, streams, requests, seed))
+                    results[side].append(run_once(trees[side], base, streams, requests, seed))
                     if progress:
                         progress(f"{side} round {k + 1} done")
         finally:

@@ -327,3 +327,39 @@ def plot(res: dict[str, Any], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def app_args(preset: str, prefill_replicas: int, cache_dir: str | None) -> dict[str, Any]:
+    """The benchmarked app: ``prefill_replicas`` Fairway prefill replicas sharing core 0, one
+    TWP decode replica on core 1, the in-memory index, the preset's measured profile."""
+    profile = {"bench": "cpu2core_vllm032_bench", "test": "cpu2core_vllm032_test"}[preset]
+    sched = {"scheduler_config": {"profile": profile}}
+    args: dict[str, Any] = {
+        "model": {
+            "path": f"~/.cache/pdserve/models/{preset}",
+            "build_preset": preset,
+            "max_model_len": 4096,
+        },
+        "prefill": {
+            "num_replicas": prefill_replicas,
+            "num_cpus": 1.0,
+            "cpu_bind": "0",
+            "scheduler_cls": "engines.scheduler.FairwayScheduler",
+            **sched,
+        },
+        "decode": {
+            "num_cpus": 1.0,
+            "cpu_bind": "1",
+            "scheduler_cls": "engines.scheduler.TWPScheduler",
+            "kv_events": {"enabled": False},
+            **sched,
+        },
+        "index": {"backend": "memory"},
+        # the bench's own app, its proxy on loopback: keys off, said explicitly; its one
+        # client is the only tenant, and what is measured is the app, not its limits
+        "ingress": {"num_cpus": 0.25, "auth": "none"},
+        "tenants": {"default": {"requests_per_second": None, "tokens_per_minute": None}},
+    }
+    if cache_dir:
+        args["cache_dir"] = cache_dir
+    return args

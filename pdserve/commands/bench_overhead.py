@@ -26,7 +26,9 @@ def overhead(
     ),
     rounds: int = typer.Option(3, min=1, max=10, help="Runs of each side, alternating."),
     streams: int = typer.Option(8, min=1, max=64, help="Closed-loop streams."),
-    requests: int = typer.Option(24, min=4, help="Open-loop requests before the closed loop."),
+    requests: int = typer.Option(
+        64, min=8, help="Measured requests per run (after as many to warm)."
+    ),
     json_out: Path | None = typer.Option(None, "--json", help="Write the results as JSON here."),
     plot: Path | None = typer.Option(None, "--plot", help="Write the per-phase bars (PNG) here."),
 ) -> None:

@@ -7,43 +7,11 @@ from typing import Any
 
 import typer
 
+from bench.live.routing import app_args
 from pdserve.apps import bench_app
 from pdserve.output import csv_known, table, write_json
 
 POLICIES = ("prefix_load", "round_robin", "least_loaded", "prefix_only", "serve_default")
-
-
-def app_args(preset: str, prefill_replicas: int, cache_dir: str | None) -> dict[str, Any]:
-    """The benchmarked app: ``prefill_replicas`` Fairway prefill replicas sharing core 0, one
-    TWP decode replica on core 1, the in-memory index, the preset's measured profile."""
-    profile = {"bench": "cpu2core_vllm032_bench", "test": "cpu2core_vllm032_test"}[preset]
-    sched = {"scheduler_config": {"profile": profile}}
-    args: dict[str, Any] = {
-        "model": {
-            "path": f"~/.cache/pdserve/models/{preset}",
-            "build_preset": preset,
-            "max_model_len": 4096,
-        },
-        "prefill": {
-            "num_replicas": prefill_replicas,
-            "num_cpus": 1.0,
-            "cpu_bind": "0",
-            "scheduler_cls": "engines.scheduler.FairwayScheduler",
-            **sched,
-        },
-        "decode": {
-            "num_cpus": 1.0,
-            "cpu_bind": "1",
-            "scheduler_cls": "engines.scheduler.TWPScheduler",
-            "kv_events": {"enabled": False},
-            **sched,
-        },
-        "index": {"backend": "memory"},
-        "ingress": {"num_cpus": 0.25},
-    }
-    if cache_dir:
-        args["cache_dir"] = cache_dir
-    return args
 
 
 def _f(x: float | None, digits: int = 3, scale: float = 1.0) -> str:
@@ -101,6 +69,15 @@ def routing(
         bars.append(bar)
         return bar.update
 
+    import os
+
+    from deployments.local import ensure_ray_token, local_env
+
+    # Ray reads its auth mode when it is first imported (building the app imports it): the
+    # local head this bench starts runs token auth as `pdserve up` starts one, with the token
+    # where Ray's processes find it
+    os.environ.update(local_env())
+    ensure_ray_token(dict(os.environ))
     from deployments.app import build_app
 
     res = run(

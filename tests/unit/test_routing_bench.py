@@ -47,3 +47,18 @@ def test_summary_counts_errors_cache_and_replicas() -> None:
     r = ratios(res, "round_robin")
     assert r["prefix_load"]["ttft_p50"] == 0.1 and r["round_robin"]["ttft_p50"] == 1.0
     assert ratios(res, "least_loaded") == {}
+
+
+def test_the_benchs_own_app_deploys_closed_by_default_rules() -> None:
+    """``bench routing`` (and ``bench overhead``) deploy their own app on loopback and send no
+    key: its config says ``auth: none`` explicitly, so the deploy-time check passes (keys by
+    default left it failing with no key source)."""
+    from bench.live.routing import app_args
+    from deployments.config import load_app_config
+
+    for preset in ("test", "bench"):
+        cfg = load_app_config(app_args(preset, 2, None))
+        cfg.check_auth()
+        assert cfg.ingress.auth == "none"
+        assert cfg.prefill.num_replicas == 2
+        assert cfg.tenants.limits("anonymous").requests_per_second is None  # no 429s
