@@ -11,11 +11,12 @@ In the order a request meets them (:meth:`deployments.ingress.core.IngressCore.c
    from its tokens bucket, the output part reserved and given back unused when the request
    ends (:meth:`AdmissionPhase.give_back`); work done before a refusal is charged
    (:meth:`AdmissionPhase.charge_tokens`);
-4. **the engines' queue** (:meth:`AdmissionPhase.admit_prefill`, after routing, when the
-   uncached tokens are known): the expected wait (:meth:`AdmissionPhase.check_wait`,
-   Little's law over the engines' reports) and the prefill queue's request and token bounds.
-   Admitted prompts count as in flight until their prefill returns
-   (:meth:`AdmissionPhase.release_slot`).
+4. **the engines' queue** (:meth:`AdmissionPhase.admit_engines`, after routing, when the
+   uncached tokens and where the prompt is computed are known): the expected wait
+   (:meth:`AdmissionPhase.check_wait`, Little's law over the engines' reports) and, unless
+   the prompt stays on its decode replica, the prefill queue's request and token bounds
+   (:meth:`AdmissionPhase.admit_prefill`). Admitted prompts count as in flight until their
+   prefill returns (:meth:`AdmissionPhase.release_slot`; colocated: until the stream ends).
 
 The decisions themselves are pure (:mod:`controllers.overload`, :mod:`controllers.tenants`);
 this module holds the ingress's counts they read.
