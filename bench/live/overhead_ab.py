@@ -84,25 +84,11 @@ def load(url: str, arrivals: list[Any], streams: int, max_tokens: int) -> None:
     refused request is cheap, and counting only the rest would flatter the ingress)."""
     import asyncio
 
-    import httpx
+    from bench.live.routing import closed_loop
 
-    from bench.live.routing import _one
-
-    queue = list(arrivals)
-    failed: list[str] = []
-
-    async def go() -> None:
-        async with httpx.AsyncClient(timeout=600) as client:
-
-            async def worker() -> None:
-                while queue:
-                    r = await _one(client, url, queue.pop().ids, max_tokens)
-                    if not r.ok:
-                        failed.append(r.error)
-
-            await asyncio.gather(*(worker() for _ in range(streams)))
-
-    asyncio.run(go())
+    failed = [
+        r.error for r in asyncio.run(closed_loop(url, arrivals, streams, max_tokens)) if not r.ok
+    ]
     if failed:
         raise RuntimeError(f"{len(failed)} of {len(arrivals)} requests failed, e.g. {failed[0]}")
 
@@ -115,12 +101,12 @@ def run_once(
     import random
 
     from bench.live.routing import (
-        _get,
-        _reset,
-        _vocab,
-        _wait_gone,
-        _wait_ready,
         app_args,
+        get_json,
+        model_vocab,
+        reset_stats,
+        wait_gone,
+        wait_ready,
     )
     from bench.workloads.rag import RagMix, rag_mix
     from deployments.config import load_app_config
@@ -140,15 +126,15 @@ def run_once(
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_ready(url, cfg.prefill.num_replicas)
+        wait_ready(url, cfg.prefill.num_replicas)
         mix = RagMix(requests=2 * requests, documents=8, doc_blocks=4, seed=seed, max_tokens=16)
-        arrivals = rag_mix(mix, _vocab(cfg.model.resolved_path()))
+        arrivals = rag_mix(mix, model_vocab(cfg.model.resolved_path()))
         rng = random.Random(seed)
         rng.shuffle(arrivals)
         load(url, arrivals[:requests], streams, mix.max_tokens)  # warm-up, discarded
-        mark = _reset(url)["ingress"]["requests"]
+        mark = reset_stats(url)["ingress"]["requests"]
         load(url, arrivals[requests:], streams, mix.max_tokens)
-        s = _get(url, "/v1/pdserve/stats")["ingress"]
+        s = get_json(url, "/v1/pdserve/stats")["ingress"]
         if s["requests"] - mark != requests:
             raise RuntimeError(f"{tree}: the ingress counted {s['requests'] - mark} of {requests}")
         return {
@@ -164,7 +150,7 @@ def run_once(
             proc.wait(120)
         except subprocess.TimeoutExpired:
             proc.kill()
-        _wait_gone("ServeReplica:pdserve:")
+        wait_gone("ServeReplica:pdserve:")
 
 
 def summary(runs: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:

@@ -47,7 +47,7 @@ class Result:
     error: str = ""
 
 
-async def _one(client: Any, url: str, ids: list[int], max_tokens: int) -> Result:
+async def send_one(client: Any, url: str, ids: list[int], max_tokens: int) -> Result:
     body = {
         "model": "test",
         "prompt": ids,
@@ -102,7 +102,7 @@ async def replay(
 
         async def at(a: Arrival) -> Result:
             await asyncio.sleep(max(0.0, t0 + a.at_s - time.monotonic()))  # the schedule
-            res = await _one(client, url, a.ids, max_tokens)
+            res = await send_one(client, url, a.ids, max_tokens)
             if progress is not None:
                 progress(1)
             return res
@@ -110,22 +110,27 @@ async def replay(
         return list(await asyncio.gather(*(at(a) for a in arrivals)))
 
 
-async def closed_loop(url: str, arrivals: list[Arrival], streams: int, max_tokens: int) -> None:
-    """``streams`` concurrent clients, each sending its next request when the last ends."""
+async def closed_loop(
+    url: str, arrivals: list[Arrival], streams: int, max_tokens: int
+) -> list[Result]:
+    """``streams`` concurrent clients, each sending its next request when the last ends; the
+    requests' results."""
     import httpx
 
     queue = list(arrivals)
+    out: list[Result] = []
     async with httpx.AsyncClient(timeout=600) as client:
 
         async def worker() -> None:
             while queue:
                 a = queue.pop()
-                await _one(client, url, a.ids, max_tokens)
+                out.append(await send_one(client, url, a.ids, max_tokens))
 
         await asyncio.gather(*(worker() for _ in range(streams)))
+    return out
 
 
-def _get(url: str, path: str) -> dict[str, Any]:
+def get_json(url: str, path: str) -> dict[str, Any]:
     import httpx
 
     r = httpx.get(f"{url}{path}", timeout=60)
@@ -133,7 +138,7 @@ def _get(url: str, path: str) -> dict[str, Any]:
     return dict(r.json())
 
 
-def _reset(url: str) -> dict[str, Any]:
+def reset_stats(url: str) -> dict[str, Any]:
     """The stats, then the ingress's overhead samples start afresh (an operator's POST)."""
     import httpx
 
@@ -142,12 +147,12 @@ def _reset(url: str) -> dict[str, Any]:
     return dict(r.json())
 
 
-def _wait_ready(url: str, replicas: int, timeout_s: float = 900) -> None:
+def wait_ready(url: str, replicas: int, timeout_s: float = 900) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            if _get(url, "/health")["status"] == "ok":
-                s = _get(url, "/v1/pdserve/stats")
+            if get_json(url, "/health")["status"] == "ok":
+                s = get_json(url, "/v1/pdserve/stats")
                 if sum(1 for r in s["replicas"]["prefill"] if "requests" in r) >= replicas:
                     return
         except Exception:  # 503 while the engines start
@@ -202,7 +207,6 @@ def run(
     from deployments.config import load_app_config
 
     cfg = load_app_config(app_args)
-    os.environ.setdefault("RAY_AUTH_MODE", "token")  # as `pdserve up` starts a head
     if not ray.is_initialized():
         if os.environ.get("RAY_ADDRESS"):
             ray.init(log_to_driver=False)
@@ -222,27 +226,27 @@ def run(
         args["routing"] = {**dict(app_args.get("routing") or {}), "policy": policy}
         t_deploy = time.monotonic()
         serve.run(build_app(args), name=APP, route_prefix="/", blocking=False)
-        _wait_ready(url, cfg.prefill.num_replicas)
+        wait_ready(url, cfg.prefill.num_replicas)
         deploy_s = time.monotonic() - t_deploy
         if arrivals is None:
-            vocab = _vocab(cfg.model.resolved_path())
+            vocab = model_vocab(cfg.model.resolved_path())
             arrivals = rag_mix(mix, vocab)
-        before = _reset(url)
+        before = reset_stats(url)
         tick = progress(policy, len(arrivals)) if progress else None
         t0 = time.monotonic()
         results = asyncio.run(replay(url, arrivals, mix.max_tokens, tick))
         wall = time.monotonic() - t0
         time.sleep(2 * cfg.routing.stats_period_s + 0.5)  # the replicas' last reports
-        after = _get(url, "/v1/pdserve/stats")
+        after = get_json(url, "/v1/pdserve/stats")
         summary = summarize_policy(results, before, after)
         summary.update(deploy_s=deploy_s, wall_s=wall)
         if i == 0 and overhead_streams > 0:
             # the ingress at a steady closed-loop load, on this policy's warm app
             rng = random.Random(mix.seed + 1)
             sample = [arrivals[rng.randrange(len(arrivals))] for _ in range(overhead_requests)]
-            mark = _reset(url)["ingress"]["requests"]
+            mark = reset_stats(url)["ingress"]["requests"]
             asyncio.run(closed_loop(url, sample, overhead_streams, mix.max_tokens))
-            s = _get(url, "/v1/pdserve/stats")
+            s = get_json(url, "/v1/pdserve/stats")
             summary["closed_loop"] = {
                 "streams": overhead_streams,
                 "requests": s["ingress"]["requests"] - mark,
@@ -251,11 +255,11 @@ def run(
             }
         out["policies"][policy] = summary
         serve.delete(APP)
-        _wait_gone(f"ServeReplica:{APP}:")
+        wait_gone(f"ServeReplica:{APP}:")
     return out
 
 
-def _wait_gone(marker: str, timeout_s: float = 120.0) -> None:
+def wait_gone(marker: str, timeout_s: float = 120.0) -> None:
     """Wait until no local process's title contains ``marker`` (the deleted app's replicas),
     so the next policy does not share the cores with the last one's engines shutting down."""
     import psutil
@@ -274,7 +278,7 @@ def _wait_gone(marker: str, timeout_s: float = 120.0) -> None:
         time.sleep(0.5)  # polling process exit
 
 
-def _vocab(model: Path) -> int:
+def model_vocab(model: Path) -> int:
     """Token ids the served model accepts: the smaller of its embedding and its tokenizer."""
     from tokenizers import Tokenizer
 
