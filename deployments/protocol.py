@@ -8,6 +8,7 @@ from typing import Any
 
 # The engine's refusal of a request's parameters is raised by the engine runtimes
 # (engines/, which may not import deployments); it crosses this boundary as one of its types.
+from engines.refusal import EngineDown as EngineDown
 from engines.refusal import EngineRefused as EngineRefused
 
 #: ``kv_transfer_params`` a prefill request carries so the producer keeps its KV for a remote

@@ -181,6 +181,16 @@ SERIES: dict[str, tuple[str, str, tuple[str, ...], list[float] | None]] = {
         "counter", "Requests sent again after their engine replica died before the client "
         "got anything, by phase (prefill, decode).", ("phase",), None,
     ),
+    "pdserve_migrations": (
+        "counter", "Streams whose decode replica was lost after tokens were sent, by reason "
+        "(replica_gone, engine_failed) and outcome (migrated; failed; or why not moved: off, "
+        "limit, too_long, structured_output, deadline).", ("reason", "outcome"), None,
+    ),
+    "pdserve_migration_stall_seconds": (
+        "histogram", "The gap a client of a migrated stream saw: from the last token before "
+        "its decode replica was lost to the first from the replica it moved to.", (),
+        LATENCY_S,
+    ),
     "pdserve_cold_start_wait_seconds": (
         "histogram", "Time a request waited at a role's handle for a replica to start "
         "(serverless: the role was at zero), by role.", ("role",), LATENCY_S,

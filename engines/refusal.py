@@ -37,3 +37,17 @@ def as_refusal(e: Exception) -> Exception:
     if isinstance(e, (ValueError, TypeError, VLLMClientError)):
         return EngineRefused(str(e).strip()[:500], getattr(e, "parameter", None))
     return e
+
+
+class EngineDown(RuntimeError):
+    """The engine itself failed, not the request: its step thread or engine core died while
+    the request ran (or before it was added). It crosses back to the ingress (pickled by
+    Ray) as the replica's fault, so a stream under way there moves to another replica
+    (stream migration, ``docs/design/migration.md``) instead of ending with an error."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (EngineDown, (self.message,))

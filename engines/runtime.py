@@ -48,7 +48,7 @@ from typing import Any
 from engines import engine_rpc
 from engines.config import EngineSchedulerConfig
 from engines.launch import EngineLaunch, start_async_engine, start_engine, start_llm
-from engines.refusal import as_refusal
+from engines.refusal import EngineDown, as_refusal
 
 log = logging.getLogger(__name__)
 
@@ -127,10 +127,11 @@ class InProcessEngine:
                     self._report()
                     self._wake.wait(0.5)
                     self._wake.clear()
-        except BaseException as e:  # the engine is dead: fail every waiter
+        except BaseException as e:  # the engine is dead: fail every waiter (the replica's fault)
             self.failure = e
+            down = EngineDown(f"the engine thread has failed: {e!r}")
             for sink in list(self._sinks.values()):
-                sink(e)
+                sink(down)
             self._sinks.clear()
 
     def _report(self) -> None:
@@ -164,7 +165,7 @@ class InProcessEngine:
 
     def _submit(self, fn: Callable[[], None]) -> None:
         if self.failure is not None:
-            raise RuntimeError("the engine thread has failed") from self.failure
+            raise EngineDown(f"the engine thread has failed: {self.failure!r}") from self.failure
         self._inbox.put(fn)
         self._wake.set()
 
@@ -361,10 +362,10 @@ class AsyncLLMEngine:
         self, prompt: dict[str, Any], params: Any, request_id: str
     ) -> AsyncIterator[Any]:
         """Yield ``RequestOutput``s of one request; cancelling the caller aborts it."""
-        from vllm.v1.engine.exceptions import EngineGenerateError
+        from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
         if self.failure is not None:
-            raise RuntimeError("the engine core has failed") from self.failure
+            raise EngineDown(f"the engine core has failed: {self.failure!r}") from self.failure
         self._active += 1
         if self._wake is not None:
             self._wake.set()
@@ -373,6 +374,8 @@ class AsyncLLMEngine:
             async for out in self.engine.generate(prompt, params, request_id):
                 finished = finished or out.finished
                 yield out
+        except EngineDeadError as e:  # the engine core died: the replica's fault
+            raise EngineDown(f"the engine core has failed: {e}") from None
         except EngineGenerateError as e:  # vLLM wraps a refusal at add time
             cause = e.__cause__
             raise (as_refusal(cause) if isinstance(cause, Exception) else e) from None

@@ -61,7 +61,26 @@ class IngressConfig(_Strict):
         "unreachable) before the client got anything: a prefill goes to another prefill "
         "replica; a decode goes to another decode replica, which computes the prompt itself "
         "(the dead replica may have taken the prompt's KV already). Once a token was sent the "
-        "client gets an error event instead: a stream is never replayed.",
+        "stream migrates instead (migration_limit).",
+    )
+    migration_limit: int = Field(
+        default=2,
+        ge=0,
+        le=16,
+        description="Times one stream (each sequence of n > 1 on its own) may move to another "
+        "decode replica when its replica is lost after tokens were sent (the actor died, its "
+        "engine failed, a drain outlasted drain_timeout_s): the ingress sends the prompt plus "
+        "the tokens sent as a new request for the rest, and the same response goes on. 0 turns "
+        "migration off (the stream then ends with an SSE error event). Live: user_config.",
+    )
+    migration_max_tokens: int | None = Field(
+        default=None,
+        ge=1,
+        le=10_000_000,
+        description="Sequence length (prompt plus tokens sent) above which a stream is not "
+        "migrated (its continuation's prefill would cost more than the answer is worth here): "
+        "it ends with an SSE error event saying so. None: no bound but the model's. Live: "
+        "user_config.",
     )
     health_timeout_s: float = Field(
         default=5.0, gt=0, le=600, description="Longest wait for one engine's readiness probe."

@@ -27,6 +27,13 @@ class EngineLiveConfig(_Strict):
     )
 
 
+class MigrationLiveConfig(_Strict):
+    """``ingress.migration_limit`` and ``ingress.migration_max_tokens``, live."""
+
+    migration_limit: int = Field(default=2, ge=0, le=16)
+    migration_max_tokens: int | None = Field(default=None, ge=1, le=10_000_000)
+
+
 class IngressLiveConfig(_Strict):
     """The ingress deployment's Serve ``user_config``: the routing parameters, reloaded
     without a restart. ``policy`` may move between the index-aware policies, not to or from
@@ -35,6 +42,11 @@ class IngressLiveConfig(_Strict):
 
     routing: AppRoutingConfig | None = Field(
         default=None, description="Routing of prefill and decode requests (all fields)."
+    )
+    migration: MigrationLiveConfig | None = Field(
+        default=None,
+        description="Stream migration when a decode replica is lost (both fields; "
+        "ingress.migration_limit and ingress.migration_max_tokens).",
     )
 
 
@@ -66,5 +78,8 @@ def live_defaults(cfg: AppConfig) -> dict[str, dict[str, Any]]:
         out[role] = (
             {} if sc is None else {"fairway": sc.fairway.model_dump(), "twp": sc.twp.model_dump()}
         )
-    out["ingress"] = {"routing": cfg.routing.model_dump(mode="json")}
+    out["ingress"] = {
+        "routing": cfg.routing.model_dump(mode="json"),
+        "migration": cfg.ingress.model_dump(include={"migration_limit", "migration_max_tokens"}),
+    }
     return out

@@ -13,7 +13,8 @@
 4. ``prefill`` (:mod:`.hops`): one output token on the chosen prefill replica (NIXL
    producer), retried on another when its replica died;
 5. ``decode`` and ``respond`` (:mod:`.hops`, :mod:`.respond`): the decode replica's stream
-   (the decode router picks it by TWP headroom) as SSE or one JSON body;
+   (the decode router picks it by TWP headroom) as SSE or one JSON body; a stream whose
+   decode replica is lost mid-way moves to another and goes on (:mod:`.migration`);
 6. ``settle`` (:meth:`IngressCore._settle`): whatever the request still holds goes back
    (its unused token reservation, its queue slot, prefill KV no decode took), however it
    ended.
@@ -42,7 +43,6 @@ from opentelemetry.trace import Link, SpanKind
 from cluster.tenants import TENANT_PATTERN
 from deployments.config import AppConfig, IngressLiveConfig, LiveConfigError, parse_live_config
 from deployments.ingress.hops import (
-    HopsPhase,
     local_prefill,
     merge_streams,
     no_chunks,
@@ -52,6 +52,7 @@ from deployments.ingress.hops import (
     prepend,
 )
 from deployments.ingress.http_guard import configure as configure_body_guard
+from deployments.ingress.migration import MigrationPhase
 from deployments.ingress.openai_requests import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -66,7 +67,7 @@ from deployments.ingress.respond import (
     SettlingStream,
     error_response,
 )
-from deployments.ingress.route import Placement, RoutePhase
+from deployments.ingress.route import Placement
 from deployments.ingress.stats import finish_span, report
 from deployments.ingress.tokenizer import Tokenizer, model_defaults
 from deployments.ingress.warmup import HealthPhase
@@ -80,7 +81,7 @@ log = logging.getLogger("deployments.ingress")
 TENANT_NAME = re.compile(TENANT_PATTERN)
 
 
-class IngressCore(PreparePhase, RoutePhase, HealthPhase, HopsPhase, RespondPhase):
+class IngressCore(PreparePhase, HealthPhase, MigrationPhase, RespondPhase):
     """The ingress logic, independent of Serve's decorators (handles are injected).
 
     ``prefill`` and ``decode`` are Serve deployment handles (or any object with the same
@@ -137,6 +138,7 @@ class IngressCore(PreparePhase, RoutePhase, HealthPhase, HopsPhase, RespondPhase
         self._init_admission()
         self._init_route()
         self._init_hops()
+        self._init_migration()
         self._init_respond()
         self._init_health()
         self._init_stats()
@@ -396,8 +398,8 @@ class IngressCore(PreparePhase, RoutePhase, HealthPhase, HopsPhase, RespondPhase
 
     def reconfigure(self, user_config: dict[str, Any] | None) -> None:
         """Serve's ``user_config`` of the ingress: routing parameters
-        (:class:`~deployments.config.IngressLiveConfig`) for both routers' next decisions, no
-        restart. A bad value is refused with the field named (logged, and in
+        (:class:`~deployments.config.IngressLiveConfig`) for both routers' next decisions and
+        the stream migration's bounds for the next migration, no restart. A bad value is refused with the field named (logged, and in
         ``/v1/pdserve/stats`` under ``ingress.live_config``); the old values stay."""
         try:
             live = parse_live_config(IngressLiveConfig, user_config)
@@ -415,6 +417,9 @@ class IngressCore(PreparePhase, RoutePhase, HealthPhase, HopsPhase, RespondPhase
                     )
                 self.cfg = self.cfg.model_copy(update={"routing": new})
                 set_routing(self.app_name, new.model_dump(mode="json"))
+            if live.migration is not None:  # the next migration reads them
+                ing = self.cfg.ingress.model_copy(update=live.migration.model_dump())
+                self.cfg = self.cfg.model_copy(update={"ingress": ing})
         except LiveConfigError as e:
             self.live_error = str(e)
             self.live_refused += 1

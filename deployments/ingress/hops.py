@@ -26,7 +26,14 @@ from deployments.ingress.admission import AdmissionPhase
 from deployments.ingress.openai_requests import RequestError
 from deployments.ingress.openai_responses import FINISH_REASONS
 from deployments.ingress.request import Prepared
-from deployments.protocol import EngineChunk, EngineRefused, EngineRequest, RouteHint, Sampling
+from deployments.protocol import (
+    EngineChunk,
+    EngineDown,
+    EngineRefused,
+    EngineRequest,
+    RouteHint,
+    Sampling,
+)
 from deployments.telemetry import child, inject, set_attrs
 
 log = logging.getLogger("deployments.ingress")
@@ -96,7 +103,7 @@ class HopsPhase(AdmissionPhase):
                     req = replace(req, request_id=f"{prep.engine_rid}-retry{attempt}")
                     self._count_retry(prep, "prefill", e)
                     continue
-                raise _engine_error("prefill", prep, e) from None
+                raise engine_error("prefill", prep, e) from None
             cold = self._cold_wait(prep, "prefill", req.request_id)
             prep.run.timing["prefill"] = time.monotonic() - t - pre.engine_s - cold
             set_attrs(
@@ -144,11 +151,15 @@ class HopsPhase(AdmissionPhase):
             code="deadline_exceeded",
         )
 
-    async def decode_chunks(self, prep: Prepared, pre: EngineChunk) -> AsyncIterator[EngineChunk]:
-        """The decode replica's chunks, for both response forms. Engine failures and time-outs
-        (``engine_timeout_s`` from the first chunk request, or the request's deadline when
-        sooner) raise :class:`RequestError` (502/504); the stream is cancelled on the way
-        out, which aborts the request in the decode engine (its KV blocks come back)."""
+    async def decode_call(self, prep: Prepared, pre: EngineChunk) -> AsyncIterator[EngineChunk]:
+        """One decode call's chunks. A replica lost before the call's first chunk sends the
+        call again (``ingress.replica_retries``); lost after it, or past the retries, it
+        raises :class:`ReplicaLost` (the stream migrates:
+        :meth:`~deployments.ingress.migration.MigrationPhase.decode_chunks`). Other engine
+        failures and time-outs (``engine_timeout_s`` from the first chunk request, or the
+        request's deadline when sooner) raise :class:`RequestError` (502/504); the stream is
+        cancelled on the way out, which aborts the request in the decode engine (its KV
+        blocks come back)."""
         prep.run.kv_pending = None  # this call takes the KV (or releases it, _release_unsent)
         span = child(self.tracer, "pdserve.decode", prep.run.parent)
         route = RouteHint(len(prep.ids), None, prep.sampling.max_tokens * prep.sampling.n)
@@ -181,7 +192,7 @@ class HopsPhase(AdmissionPhase):
                 except Exception as e:
                     if (
                         prep.run.first_chunk_at is None
-                        and _replica_gone(e)
+                        and replica_lost(e) is not None
                         and attempt < self.cfg.ingress.replica_retries
                     ):
                         # Nothing reached the client: another decode replica computes the
@@ -199,7 +210,10 @@ class HopsPhase(AdmissionPhase):
                         stream = self.decode_stream.decode.remote(dreq)
                         it = stream.__aiter__()
                         continue
-                    raise _engine_error("decode", prep, e) from None
+                    why = replica_lost(e)
+                    if why is not None:
+                        raise ReplicaLost(why, e) from None
+                    raise engine_error("decode", prep, e) from None
                 prep.run.last_chunk_at = time.monotonic()
                 if prep.run.first_chunk_at is None:
                     prep.run.first_chunk_at = prep.run.last_chunk_at
@@ -322,7 +336,29 @@ def _replica_gone(e: BaseException) -> bool:
     return isinstance(e, RayActorError) or isinstance(cause_of(e), RayActorError)
 
 
-def _engine_error(phase: str, prep: Prepared, e: BaseException) -> RequestError:
+def replica_lost(e: BaseException) -> str | None:
+    """Why a decode call's failure is its replica's and not its request's: ``replica_gone``
+    (the actor died: killed, its node lost, or stopped by Serve after a drain outlasted
+    ``drain_timeout_s``) or ``engine_failed`` (its engine thread or core died:
+    :class:`~engines.refusal.EngineDown`); ``None`` for the request's own failures."""
+    if _replica_gone(e):
+        return "replica_gone"
+    if isinstance(cause_of(e), EngineDown) or isinstance(e, EngineDown):
+        return "engine_failed"
+    return None
+
+
+class ReplicaLost(Exception):
+    """A decode call's replica was lost (``reason``: :func:`replica_lost`) after the call
+    sent chunks, or past its retries: the stream migrates or ends with ``error``'s message."""
+
+    def __init__(self, reason: str, error: BaseException) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.error = error
+
+
+def engine_error(phase: str, prep: Prepared, e: BaseException) -> RequestError:
     """An engine's refusal of the request's parameters is a 400 naming the field; any other
     failure a 502."""
     cause = cause_of(e)

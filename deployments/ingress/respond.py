@@ -153,7 +153,9 @@ class RespondPhase(Records):
                 prep, pre = tally.take(ch)
                 first = ch.index not in state
                 d = self._delta(prep, pre, ch, state)
-                if d.text or d.finish_reason or first or d.logprobs:
+                # a token with no text yet (part of a character, a stop string's head held
+                # back) still goes out when the client asked for token ids
+                if d.text or d.finish_reason or first or d.logprobs or prep.token_ids:
                     body = stream_chunk(
                         prep.rid,
                         m,

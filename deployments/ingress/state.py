@@ -7,6 +7,7 @@ The parts inherit what they call, so each one's dependencies are its bases::
 
     IngressState
     ├── RoutePhase                       (route)
+    │   └── MigrationPhase               (migration; also a HopsPhase)
     └── AdmissionPhase                   (admission)
         ├── PreparePhase                 (prepare)
         ├── HopsPhase                    (hops)

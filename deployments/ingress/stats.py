@@ -183,6 +183,7 @@ async def report(core: IngressCore, reset: bool = False) -> dict[str, Any]:
         },
         "deadline_exceeded": core.deadline_exceeded,
         "replica_retries": dict(core.replica_retries),
+        "migrations": {k: dict(v) for k, v in core.migrations.items()},
         "kv_released": dict(core.kv_released),
         "decode_local": core.decode_local,
         "cold_start_waits": dict(core.cold_start_waits),
@@ -194,6 +195,9 @@ async def report(core: IngressCore, reset: bool = False) -> dict[str, Any]:
         },
         "live_config": {
             "routing": core.cfg.routing.model_dump(mode="json"),
+            "migration": core.cfg.ingress.model_dump(
+                include={"migration_limit", "migration_max_tokens"}
+            ),
             "applied": core.live_applied,
             "refused": core.live_refused,
             "error": core.live_error,

@@ -110,7 +110,14 @@ def wired(tiny_model_dir: Path) -> Any:
     return _wire(tiny_model_dir, {"ingress": {"api_keys": {"ka": "alice", "kb": "bob"}}})
 
 
-def _wire(tiny_model_dir: Path, extra: dict[str, Any]) -> Any:
+def _wire(
+    tiny_model_dir: Path,
+    extra: dict[str, Any],
+    engines: tuple[Any, Any] | None = None,
+    app_name: str = "pdserve",
+) -> Any:
+    """A test client over an ingress on fake engine handles (``engines``: prefill and
+    decode, :class:`FakeEngine` by default)."""
     from cluster.tenants import hash_key
     from deployments.config import AppConfig
     from deployments.ingress import IngressCore
@@ -138,8 +145,8 @@ def _wire(tiny_model_dir: Path, extra: dict[str, Any]) -> Any:
             **extra,
         }
     ).model_dump(mode="json")
-    pre, dec = FakeEngine("prefill"), FakeEngine("decode")
-    core = IngressCore(cfg, pre, dec)
+    pre, dec = engines or (FakeEngine("prefill"), FakeEngine("decode"))
+    core = IngressCore(cfg, pre, dec, app_name=app_name)
     app = FastAPI()
     app.exception_handlers.update(api.exception_handlers)
     ing = AppConfig.model_validate(cfg).ingress
@@ -340,7 +347,8 @@ def test_a_dead_replica_is_retried_elsewhere_only_before_the_client_got_anything
     """A prefill whose replica died is sent again (another prefill replica: Serve's router
     drops the dead one); a decode whose replica died before its first chunk goes to another
     decode replica that computes the prompt itself (no KV params: the dead one may have
-    freed them). Once a chunk reached the client there is no replay: an error event."""
+    freed them). Once a chunk reached the client the stream migrates (its own tests:
+    ``test_migration.py``); with migration off it ends with an error event."""
     client, pre, dec = wired
     body = {"model": "test", "prompt": "hi", "max_tokens": 4}
     try:
@@ -366,15 +374,18 @@ def test_a_dead_replica_is_retried_elsewhere_only_before_the_client_got_anything
         r = client.post("/v1/completions", headers=auth(), json=body)
         assert r.status_code == 502 and "decode failed" in r.json()["error"]["message"]
         n_seen = len(dec.seen)
-        dec.dies_after = 2  # mid-stream: tokens were sent, the stream ends with an error
+        client.core.reconfigure({"migration": {"migration_limit": 0}})
+        dec.dies_after = 2  # mid-stream, migration off: the stream ends with an error
         r = client.post("/v1/completions", headers=auth(), json=body | {"stream": True})
         lines = [ln for ln in r.text.splitlines() if ln.startswith("data: ")]
         assert lines[-1] == "data: [DONE]" and '"error"' in lines[-2]
+        assert "migration is off" in lines[-2]
         assert len(dec.seen) == n_seen + 1  # not sent again
         assert retries(client)["decode"] == before["decode"] + 2
     finally:
         pre.gone = dec.gone = 0
         dec.dies_after = None
+        client.core.reconfigure({"migration": {}})
 
 
 def test_engine_refusals_are_400s_naming_the_field(wired: Any) -> None:
