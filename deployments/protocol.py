@@ -105,7 +105,10 @@ class RouteHint:
     are the prompt's block hashes, so the router can count the blocks it has sent to a replica
     that the index does not show yet (:class:`controllers.routing.InflightPrefixes`). ``pin``
     forces a replica, prefill or decode (the ingress's warm-up of each replica pair, tests);
-    when it is gone the router counts ``pinned_replica_gone`` and routes as usual.
+    when it is gone the router counts ``pinned_replica_gone`` and routes as usual. ``avoid``
+    names replicas the call must not go to while another can take it (a migrated stream's
+    lost decode replicas, whose engine may have failed before Serve's health check noticed),
+    counted as ``lost_replica_avoided``.
     """
 
     prompt_tokens: int
@@ -113,6 +116,7 @@ class RouteHint:
     expected_output_tokens: int = 1
     pin: str | None = None
     block_hashes: tuple[int, ...] = ()
+    avoid: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

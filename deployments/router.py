@@ -185,6 +185,19 @@ class _Bookkeeping:
             self.counters.count("wedged_replica_skipped")
         return ok or candidates
 
+    def _avoiding(
+        self, candidates: list[RunningReplica], req: EngineRequest | None
+    ) -> list[RunningReplica]:
+        """The candidates without the replicas ``req``'s hint says to avoid (a migrated
+        stream's lost ones), unless none would be left."""
+        avoid = req.route.avoid if req is not None and req.route is not None else ()
+        if not avoid:
+            return candidates
+        ok = [r for r in candidates if r.replica_id.unique_id not in avoid]
+        if ok and len(ok) < len(candidates):
+            self.counters.count("lost_replica_avoided")
+        return ok or candidates
+
     def _warm_first(self, candidates: list[RunningReplica]) -> list[RunningReplica]:
         """The candidates whose report says ``warm`` (an engine call has completed there:
         the ingress warms a new replica's pairs first) when there are any, else all: a
@@ -283,6 +296,7 @@ class _PolicyRouter(_Bookkeeping, RequestRouter):
         self._follow_live_config()
         candidate_replicas = self._serving(candidate_replicas)
         req = engine_request(pending_request)
+        candidate_replicas = self._avoiding(candidate_replicas, req)
         if req is None or pending_request is None or not self._routes(req):
             return [candidate_replicas]  # ready/stats calls: Serve picks by queue length
         key = pending_request.metadata.internal_request_id
@@ -436,7 +450,7 @@ class ServeDefaultRouter(_Bookkeeping, PowerOfTwoChoicesRequestRouter):
                 if key not in self._engine_calls and not self._place(req, pending_request):
                     return []
                 self._engine_calls.add(key)
-            candidate_replicas = self._warm_first(candidate_replicas)
+            candidate_replicas = self._warm_first(self._avoiding(candidate_replicas, req))
         out: list[list[RunningReplica]] = await super().choose_replicas(
             candidate_replicas, pending_request
         )

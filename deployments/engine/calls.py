@@ -24,7 +24,13 @@ from opentelemetry import trace
 
 from deployments.engine.outputs import to_chunk
 from deployments.engine.state import ReplicaState
-from deployments.protocol import PREFILL_KV_PARAMS, EngineChunk, EngineRequest, engine_extra_args
+from deployments.protocol import (
+    PREFILL_KV_PARAMS,
+    EngineChunk,
+    EngineDown,
+    EngineRequest,
+    engine_extra_args,
+)
 from deployments.telemetry import extract, set_attrs
 from engines.refusal import as_refusal
 
@@ -83,12 +89,26 @@ class Calls(ReplicaState):
         cancelled)."""
         self.first_call = self.first_call or req.request_id
         self.in_flight += 1
+        sent = 0
         try:
             async for chunk in self._decode(req):
+                if self.stream_loss is not None:  # fault injection (tests, benches) only
+                    self._lose_stream(req, sent)
+                sent += len(chunk.token_ids)
                 yield chunk
             self.warm = True
         finally:
             self.in_flight -= 1
+
+    def _lose_stream(self, req: EngineRequest, sent: int) -> None:
+        """Raise the armed stream loss (:meth:`.faults.Faults.inject_stream_loss`) for
+        ``req`` at its next chunk once it has sent ``sent`` tokens (that chunk is lost, as
+        when the engine dies computing it): :class:`EngineDown`; once."""
+        armed = self.stream_loss
+        if armed is None or len(req.prompt_token_ids) != armed[0] or sent < armed[1]:
+            return
+        self.stream_loss = None
+        raise EngineDown(f"injected: the stream lost after {sent} tokens")
 
     async def _prefill(self, req: EngineRequest) -> EngineChunk:
         """Run ``req``'s prompt with one output token as NIXL producer; return the last chunk

@@ -1,8 +1,10 @@
 """Fault injection into an engine replica (``fault_injection: true`` only: the fault tests).
 
 Called through the replica's Serve handle, never on a request's path: wedge the engine's
-step loop (:meth:`Faults.inject_wedge`, which :mod:`.health` then detects) or fail its next
-KV reads (:meth:`Faults.inject_kv_load_failures`, which decode recomputes).
+step loop (:meth:`Faults.inject_wedge`, which :mod:`.health` then detects), fail its next
+KV reads (:meth:`Faults.inject_kv_load_failures`, which decode recomputes) or fail one
+stream as a failed engine would (:meth:`Faults.inject_stream_loss`, which the ingress
+migrates: ``pdserve bench migration``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,16 @@ class Faults(ReplicaState):
         if not self._fault_target(replica_id):
             return None
         await self.engine.fail_next_reads(int(n))  # in the engine's worker process
+        return self.replica_id
+
+    async def inject_stream_loss(self, prompt_tokens: int | None, after_tokens: int) -> str:
+        """Fault injection (``fault_injection: true`` only): this replica's next decode
+        stream whose prompt has ``prompt_tokens`` tokens fails with
+        :class:`~engines.refusal.EngineDown` (the replica's fault, as when its engine dies)
+        once it has sent ``after_tokens`` tokens; once. ``None`` disarms. Returns this
+        replica's id (Serve's handle picks the replica: call until each one answered)."""
+        self._fault_target(None)  # raised in Calls.decode
+        self.stream_loss = None if prompt_tokens is None else (int(prompt_tokens), after_tokens)
         return self.replica_id
 
     def _fault_target(self, replica_id: str | None) -> bool:

@@ -91,6 +91,7 @@ class EngineReplica(Reports, Faults):
         n = max(1, min(1024, self.cfg.model.max_model_len // 2))
         self._prefill_rate = await self.engine.rpc("prefill_rate", n)
         self.calibration = None
+        self.stream_loss = None
         decodes_here = role == "decode" or self.cfg.mode == "colocated"
         if decodes_here and self.cfg.engine(role).calibrate_decode:
             await self._calibrate_decode()

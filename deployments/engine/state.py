@@ -69,5 +69,7 @@ class ReplicaState:
     _busy_s: float
     prompt_tokens: int
     cached_tokens: int
+    #: an armed stream loss, ``(prompt tokens, after tokens)`` (:mod:`.faults`; tests, benches)
+    stream_loss: tuple[int, int] | None
     #: TWP's decode calibration at start (:meth:`.live_config.LiveConfig._calibrate_decode`)
     calibration: dict[str, float] | None

@@ -162,9 +162,18 @@ class HopsPhase(AdmissionPhase):
         blocks come back)."""
         prep.run.kv_pending = None  # this call takes the KV (or releases it, _release_unsent)
         span = child(self.tracer, "pdserve.decode", prep.run.parent)
-        route = RouteHint(len(prep.ids), None, prep.sampling.max_tokens * prep.sampling.n)
+        route = RouteHint(
+            len(prep.ids),
+            None,
+            prep.sampling.max_tokens * prep.sampling.n,
+            avoid=prep.run.avoid,
+        )
         if self.colocated and prep.run.hint is not None:  # the prefix index picks the engine
-            route = replace(prep.run.hint, expected_output_tokens=route.expected_output_tokens)
+            route = replace(
+                prep.run.hint,
+                expected_output_tokens=route.expected_output_tokens,
+                avoid=prep.run.avoid,
+            )
         dreq = engine_request(prep, span, kv_transfer_params=pre.kv_transfer_params, route=route)
         n_out = 0
         t = time.monotonic()

@@ -92,11 +92,16 @@ class SentSequence:
     finished: bool = False
     #: times it moved to another decode replica
     moves: int = 0
+    #: the decode replica its last chunk came from
+    replica: str | None = None
+    #: the decode replicas it was lost on (its continuations avoid them)
+    lost: tuple[str, ...] = ()
 
     def take(self, ch: EngineChunk) -> None:
         self.token_ids += ch.token_ids
         self.text += ch.text
         self.finished = self.finished or ch.finish_reason is not None
+        self.replica = ch.replica_id or self.replica
 
 
 class Ledger:
@@ -228,8 +233,11 @@ class MigrationPhase(RoutePhase, HopsPhase):
         #: ``failed`` (the continuation failed otherwise), or why none was made
         #: (:data:`NOT_MOVED`); by the loss's reason
         self.migrations: dict[str, dict[str, int]] = {}
-        #: the client's stall of the last move (seconds)
-        self.migration_last_stall_s: float | None = None
+        #: the last move's stall and its parts (seconds): ``stall_s`` the client's gap from
+        #: the last token before the loss to the first after; ``detect_s`` until the loss
+        #: reached the ingress; ``prefill_s`` the continuation's prompt on its prefill
+        #: replica (0 when its decode replica computed it); ``first_token_s`` the rest
+        self.migration_last: dict[str, float] | None = None
 
     def _count_move(self, reason: str, outcome: str) -> None:
         by = self.migrations.setdefault(reason, {})
@@ -251,6 +259,9 @@ class MigrationPhase(RoutePhase, HopsPhase):
                 raise engine_error("decode", prep, lost.error) from None
             loss = lost
         log.warning("decode replica lost mid-stream for %s (%s): migrating", prep.rid, loss.reason)
+        lost = next((s.replica for s in ledger.seqs if s.replica), None)
+        for seq in ledger.open():  # a sequence that had not started was on that replica too
+            seq.replica = seq.replica or lost
         moved = [self._moved(prep, seq, loss) for seq in ledger.open()]
         chunks = moved[0] if len(moved) == 1 else merge_streams([own_stream(m) for m in moved])
         async for ch in chunks:
@@ -273,6 +284,9 @@ class MigrationPhase(RoutePhase, HopsPhase):
                     status=502,
                 )
             seq.moves += 1
+            if seq.replica is not None and seq.replica not in seq.lost:
+                seq.lost += (seq.replica,)
+            lost_at = time.monotonic()
             span = child(self.tracer, "pdserve.migrate", prep.run.parent)
             set_attrs(
                 span,
@@ -289,10 +303,11 @@ class MigrationPhase(RoutePhase, HopsPhase):
             try:
                 pre = await self._continuation_prefill(cont)
                 set_attrs(span, {"prefill_replica": pre.replica_id or "decode"})
+                times = {"stopped": stopped_at, "lost": lost_at, "prefilled": time.monotonic()}
                 async for ch in self.decode_call(cont, pre):
                     if first:
                         first = False
-                        self._moved_in(span, loss.reason, stopped_at, ch)
+                        self._moved_in(span, loss.reason, times, ch)
                     out = replace(seam.take(ch), index=seq.index)
                     seq.take(out)
                     prep.run.last_chunk_at = cont.run.last_chunk_at
@@ -312,13 +327,20 @@ class MigrationPhase(RoutePhase, HopsPhase):
             finally:
                 span.end()
 
-    def _moved_in(self, span: Any, reason: str, stopped_at: float, ch: EngineChunk) -> None:
-        """A continuation's first chunk: the move is done; the client's stall measured."""
-        stall = time.monotonic() - stopped_at
-        self.migration_last_stall_s = stall
+    def _moved_in(self, span: Any, reason: str, times: dict[str, float], ch: EngineChunk) -> None:
+        """A continuation's first chunk: the move is done; the client's stall measured, with
+        its parts (:attr:`migration_last`)."""
+        now = time.monotonic()
+        last = {
+            "stall_s": now - times["stopped"],
+            "detect_s": times["lost"] - times["stopped"],
+            "prefill_s": times["prefilled"] - times["lost"],
+            "first_token_s": now - times["prefilled"],
+        }
+        self.migration_last = last
         self._count_move(reason, "migrated")
-        self.metrics.observe("pdserve_migration_stall_seconds", stall)
-        set_attrs(span, {"outcome": "migrated", "stall_s": stall, "decode_replica": ch.replica_id})
+        self.metrics.observe("pdserve_migration_stall_seconds", last["stall_s"])
+        set_attrs(span, {"outcome": "migrated", "decode_replica": ch.replica_id, **last})
 
     def _continuation(self, prep: Prepared, seq: SentSequence, span: Any) -> Prepared:
         """``seq``'s continuation as a request of its own (its own engine id, calls under
@@ -333,7 +355,7 @@ class MigrationPhase(RoutePhase, HopsPhase):
             engine_rid=rid,
             echo=None,
             echo_only=False,
-            run=RunState(parent=span),
+            run=RunState(parent=span, avoid=seq.lost),
         )
 
     async def _continuation_prefill(self, cont: Prepared) -> EngineChunk:

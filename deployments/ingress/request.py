@@ -51,6 +51,8 @@ class RunState:
     stream_owned: bool = False
     #: the prefill's result while no decode call has taken its KV (released if none will)
     kv_pending: EngineChunk | None = None
+    #: decode replicas its decode call must not go to (a migration's lost ones)
+    avoid: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

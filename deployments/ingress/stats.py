@@ -184,6 +184,7 @@ async def report(core: IngressCore, reset: bool = False) -> dict[str, Any]:
         "deadline_exceeded": core.deadline_exceeded,
         "replica_retries": dict(core.replica_retries),
         "migrations": {k: dict(v) for k, v in core.migrations.items()},
+        "migration_last": core.migration_last,
         "kv_released": dict(core.kv_released),
         "decode_local": core.decode_local,
         "cold_start_waits": dict(core.cold_start_waits),

@@ -48,6 +48,10 @@ class TemplateSandbox:
     def __init__(self) -> None:
         self._proc: asyncio.subprocess.Process | None = None
         self._lock = asyncio.Lock()
+        #: held while a child starts: a job waits for a start outside its budget (the
+        #: ingress's start-up start held the job lock once, and a first job on a loaded
+        #: machine then found the sandbox "busy")
+        self._starting = asyncio.Lock()
         #: the event loop the child's pipes belong to (a new loop starts a new child)
         self._loop: asyncio.AbstractEventLoop | None = None
         #: children started, killed for their time, jobs failed inside the child
@@ -58,6 +62,10 @@ class TemplateSandbox:
     async def _child(self) -> asyncio.subprocess.Process:
         """The child, started now if there is none (and waited for until it has imported
         what it renders with: a start is not part of any job's budget)."""
+        async with self._starting:
+            return await self._start_child()
+
+    async def _start_child(self) -> asyncio.subprocess.Process:
         if self._proc is None or self._proc.returncode is not None:
             proc = await asyncio.create_subprocess_exec(
                 sys.executable,
@@ -82,19 +90,18 @@ class TemplateSandbox:
         """Start the child ahead of the first job (the ingress does at start-up)."""
         if self._loop is not asyncio.get_running_loop():
             self.kill()
-            self._lock = asyncio.Lock()
+            self._lock, self._starting = asyncio.Lock(), asyncio.Lock()
             self._loop = asyncio.get_running_loop()
-        async with self._lock:
-            await self._child()
+        await self._child()
 
     async def render(self, job: dict[str, Any], timeout_s: float) -> str:
         """The rendered text of ``job`` (see the module docstring); ``ValueError`` when the
         template failed (its message), :class:`SandboxTimeout` past ``timeout_s``,
         :class:`SandboxBusy` when the budget passed waiting for earlier jobs."""
         loop = asyncio.get_running_loop()
-        if loop is not self._loop:  # pipes and lock belong to one loop
+        if loop is not self._loop:  # pipes and locks belong to one loop
             self.kill()
-            self._lock = asyncio.Lock()
+            self._lock, self._starting = asyncio.Lock(), asyncio.Lock()
             self._loop = loop
         t0 = loop.time()
         try:

@@ -256,41 +256,105 @@ def test_scaling_decode_down_drains_its_streams(live_app: dict[str, Any]) -> Non
     stream it was serving still completes with all its tokens, and then it is gone."""
     live_app["deploy"]({"decode": {"num_replicas": 2}})
     wait_until(lambda: len(decode_replicas(live_app)) == 2, "two decode replicas", 240)
+    got = drain_under_streams(live_app, {"decode": {"num_replicas": 1}})
+    assert got == [(200, 300, True, [])] * 8, got
+    wait_until(lambda: len(decode_replicas(live_app)) == 1, "one decode replica left", 120)
 
-    async def streams() -> list[tuple[int, int, bool]]:
+
+def drain_under_streams(
+    app: dict[str, Any], down: dict[str, Any], n: int = 8, max_tokens: int = 300
+) -> list[tuple[int, int, bool, list[str]]]:
+    """``n`` long streams on two decode replicas, then the Serve config ``down`` (scaling
+    decode to one); per stream: its status, completion tokens (usage), ``[DONE]`` seen, and
+    its error events' messages."""
+    import json
+
+    async def streams() -> list[tuple[int, int, bool, list[str]]]:
         async with httpx.AsyncClient(timeout=300) as c:
 
-            async def one(i: int) -> tuple[int, int, bool]:
+            async def one(i: int) -> tuple[int, int, bool, list[str]]:
                 body = {
                     "model": "test",
                     "prompt": f"drain {i} " * 10,
-                    "max_tokens": 300,
+                    "max_tokens": max_tokens,
                     "ignore_eos": True,
                     "stream": True,
                     "stream_options": {"include_usage": True},
                 }
-                tokens, done = 0, False
+                tokens, done, errors = 0, False, []
                 async with c.stream(
-                    "POST", f"{live_app['url']}/v1/completions", json=body, headers=AUTH
+                    "POST", f"{app['url']}/v1/completions", json=body, headers=AUTH
                 ) as r:
                     async for ln in r.aiter_lines():
                         if ln == "data: [DONE]":
                             done = True
-                        elif ln.startswith("data: ") and '"usage":{' in ln.replace(" ", ""):
-                            import json
+                        elif ln.startswith("data: "):
+                            event = json.loads(ln[6:])
+                            if event.get("usage"):
+                                tokens = int(event["usage"]["completion_tokens"])
+                            if "error" in event:
+                                errors.append(str(event["error"]["message"]))
+                return r.status_code, tokens, done, errors
 
-                            use = json.loads(ln[6:]).get("usage")
-                            if use:
-                                tokens = int(use["completion_tokens"])
-                return r.status_code, tokens, done
-
-            tasks = [asyncio.create_task(one(i)) for i in range(8)]
+            tasks = [asyncio.create_task(one(i)) for i in range(n)]
             await asyncio.sleep(2.0)  # streams under way on both replicas
-            await asyncio.to_thread(live_app["deploy"], {"decode": {"num_replicas": 1}})
+            await asyncio.to_thread(app["deploy"], down)
             return list(await asyncio.gather(*tasks))
 
-    got = asyncio.run(streams())
-    assert got == [(200, 300, True)] * 8, got
+    return asyncio.run(streams())
+
+
+def moved(app: dict[str, Any]) -> int:
+    """Streams the ingress moved to another decode replica so far."""
+    return sum(by.get("migrated", 0) for by in ingress_stats(app)["ingress"]["migrations"].values())
+
+
+def test_a_drain_past_its_timeout_moves_its_streams_instead_of_cutting_them(
+    live_app: dict[str, Any],
+) -> None:
+    """Decode scaled from two replicas to one with a drain timeout (Serve's
+    ``graceful_shutdown_timeout_s``, 1 s here) far shorter than the streams: Serve stops the
+    leaving replica with streams still on it, and they move to the one that stays (stream
+    migration) instead of ending with an error: every stream completes with all its tokens."""
+    short = {"graceful_shutdown_timeout_s": 1}
+    live_app["deploy"]({"decode": {"num_replicas": 2, **short}})
+    wait_until(lambda: len(decode_replicas(live_app)) == 2, "two decode replicas", 240)
+    before = moved(live_app)
+    got = drain_under_streams(live_app, {"decode": {"num_replicas": 1, **short}}, max_tokens=1200)
+    assert got == [(200, 1200, True, [])] * 8, got
+    assert moved(live_app) > before  # the leaving replica held some when it was stopped
+    wait_until(lambda: len(decode_replicas(live_app)) == 1, "one decode replica left", 120)
+
+
+def test_with_migration_off_a_drain_past_its_timeout_cuts_streams_saying_so(
+    live_app: dict[str, Any],
+) -> None:
+    """``migration_limit`` 0 through the ingress's ``user_config``: the same drain ends the
+    leaving replica's streams as before migration existed, an SSE error event that says
+    migration is off, then ``[DONE]``; the other replica's streams complete."""
+    short = {"graceful_shutdown_timeout_s": 1}
+    off = {"user_config": {"migration": {"migration_limit": 0}}}
+    try:
+        live_app["deploy"]({"decode": {"num_replicas": 2, **short}, "ingress": off})
+        wait_until(lambda: len(decode_replicas(live_app)) == 2, "two decode replicas", 240)
+        wait_until(
+            lambda: (
+                ingress_stats(live_app)["ingress"]["live_config"]["migration"]["migration_limit"]
+                == 0
+            ),
+            "migration off",
+            60,
+        )
+        got = drain_under_streams(
+            live_app, {"decode": {"num_replicas": 1, **short}, "ingress": off}, max_tokens=1200
+        )
+        cut = [g for g in got if g[3]]
+        assert cut and len(cut) < len(got), got  # the leaving replica's streams only
+        assert all(g[0] == 200 and g[2] for g in got), got  # each one well-formed: [DONE]
+        assert all(len(g[3]) == 1 and "migration is off" in g[3][0] for g in cut), cut
+        assert all(g[1] == 1200 for g in got if not g[3]), got
+    finally:
+        live_app["deploy"]({})
     wait_until(lambda: len(decode_replicas(live_app)) == 1, "one decode replica left", 120)
 
 

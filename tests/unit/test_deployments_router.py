@@ -278,6 +278,26 @@ def test_a_wedged_replica_gets_nothing_while_another_serves(cls: type, deploymen
     assert {i for rank in choose(r, [a, b], pending(None)) for i in rank} == {"a", "b"}
 
 
+@pytest.mark.parametrize("cls", [DecodeRouter, ServeDefaultRouter])
+def test_a_migrated_streams_lost_replica_is_avoided_while_another_can_serve(cls: type) -> None:
+    """A decode call whose hint says to avoid a replica (a migration's lost one) never goes
+    there while another replica can take it, even when that one is the policy's first
+    choice; counted. When it is the only replica, the call still goes there."""
+    r = make(cls, "decode", **({"policy": "serve_default"} if cls is ServeDefaultRouter else {}))
+    a, b = replicas(r, "a", "b")
+    a.routing_stats = {"window_tokens": 400, "token_load": 0, "running": 0}
+    b.routing_stats = {"window_tokens": 400, "token_load": 300, "running": 5}
+    update(r, [a, b])
+    req = EngineRequest(
+        "x", tuple(range(300)), Sampling(max_tokens=8), route=RouteHint(300, avoid=("a",))
+    )
+    ranks = choose(r, [a, b], pending(req))
+    assert {i for rank in ranks for i in rank} == {"b"}
+    fb = router_stats(r._deployment_id.app_name, "decode")["fallbacks"]
+    assert fb.get("lost_replica_avoided") == 1
+    assert {i for rank in choose(r, [a], pending(req)) for i in rank} == {"a"}
+
+
 def test_serve_default_router_skips_a_wedged_replica() -> None:
     r = make(ServeDefaultRouter, "prefill", policy="serve_default")
     a, b = replicas(r, "a", "b")

@@ -171,9 +171,12 @@ def test_a_stream_goes_on_from_the_exact_token_on_another_replica(model: Any) ->
     cont = dec.seen[-1]
     assert list(cont.prompt_token_ids) == PROMPT + ref[0]["ids"][:7]
     assert cont.sampling.max_tokens == 17 and cont.kv_transfer_params is None  # computed there
+    assert cont.route is not None and cont.route.avoid == ("d0",)  # not the lost replica
     use = events[-1]["usage"]
     assert use["prompt_tokens"] == len(PROMPT) and use["completion_tokens"] == 24
     assert moves(model)["replica_gone"]["migrated"] == before + 1
+    last = model.get("/v1/pdserve/stats", headers=OP).json()["ingress"]["migration_last"]
+    assert last["stall_s"] >= last["detect_s"] + last["prefill_s"] >= 0  # its parts
 
 
 def test_a_stop_string_across_the_seam_stops_where_it_would_have(model: Any) -> None:
