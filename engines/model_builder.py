@@ -35,7 +35,10 @@ Preset = Literal["test", "bench"]
 #: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` after its text, a tool's result
 #: is a ``tool`` turn. ``enable_thinking`` (a ``chat_template_kwargs`` entry; vLLM sets it from
 #: ``reasoning_effort``) opens the answer with ``<think>``, as reasoning models' templates do.
-#: A conversation without tools renders as before (``<s><|user|>\nhi</s>\n<|assistant|>\n``).
+#: The instructions name the tags without writing them: a ``<tool_call>`` in the prompt reads
+#: as the end of reasoning to vLLM's ``qwen3`` reasoning parser (which knows ChatML's turns,
+#: not these). A conversation without tools renders as before
+#: (``<s><|user|>\nhi</s>\n<|assistant|>\n``).
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
     "{% set ns = namespace(skip=-1) %}"
@@ -46,9 +49,9 @@ CHAT_TEMPLATE = (
     "{% endif %}"
     "{{ 'You may call one or more functions. They are listed in <tools></tools>:\\n<tools>\\n' }}"
     "{% for tool in tools %}{{ (tool | tojson) + '\\n' }}{% endfor %}"
-    "{{ '</tools>\\nTo call a function, answer with its name and arguments as JSON in '"
-    ' + \'<tool_call></tool_call> tags: <tool_call>{"name": <name>, "arguments": \''
-    " + '<arguments>}</tool_call>' + eos_token + '\\n' }}"
+    "{{ '</tools>\\nTo call a function, answer with a JSON object of its name and arguments, '"
+    ' + \'{"name": <name>, "arguments": <arguments>}, between tool_call tags.\''
+    " + eos_token + '\\n' }}"
     "{% endif %}"
     "{% for message in messages %}{% if loop.index0 != ns.skip %}"
     "{{ '<|' + message['role'] + '|>\\n' + (message['content'] or '') }}"
