@@ -66,6 +66,20 @@ def ensure_model(cfg: AppConfig) -> None:
             build_model(path, str(card["preset"]), int(card.get("seed", 0)))
 
 
+def check_parsers(cfg: AppConfig) -> None:
+    """The tool-call and reasoning parsers ``cfg.model`` names, built once with the model's
+    tokenizer, so one that cannot serve it (a reasoning parser whose think tokens it lacks)
+    fails the deploy naming the fields, not each ingress replica's start. Nothing is loaded
+    when none is named."""
+    if cfg.model.tool_call_parser is None and cfg.model.reasoning_parser is None:
+        return
+    from transformers import AutoTokenizer
+
+    from deployments.ingress.parsing import OutputParsers
+
+    OutputParsers(cfg.model, AutoTokenizer.from_pretrained(str(cfg.model.resolved_path())))
+
+
 def request_router_config(cfg: AppConfig, role: Role) -> RequestRouterConfig:
     """The Serve router of ``role``'s deployment for ``cfg.routing``."""
     from deployments.router import DecodeRouter, PrefillRouter, ServeDefaultRouter
@@ -102,6 +116,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     cfg = load_app_config(args or {})
     cfg.check_auth()  # closed by default: keys, or `ingress.auth: none` said explicitly
     ensure_model(cfg)
+    check_parsers(cfg)
     d = cfg.model_dump(mode="json")
     live = live_defaults(cfg)
     engines = {}

@@ -38,6 +38,7 @@ from deployments.ingress.openai_requests import (
     single_prompt,
 )
 from deployments.ingress.openai_responses import LogprobFormat
+from deployments.ingress.parsing import OutputParsers
 from deployments.ingress.request import Prepared
 from deployments.ingress.respond import error_response
 from deployments.ingress.template_sandbox import SandboxBusy, SandboxTimeout, TemplateSandbox
@@ -66,6 +67,8 @@ class PreparePhase(AdmissionPhase):
         self.sandbox = TemplateSandbox() if ing.trust_request_chat_template else None
         #: prompts refused because rendering or tokenizing passed ingress.render_timeout_s
         self.render_timeouts = 0
+        #: vLLM's tool-call and reasoning parsers for chat output (model.tool_call_parser, ...)
+        self.parsers = OutputParsers(self.cfg.model, self.tokenizer.tok)
 
     async def prepare(
         self,
@@ -183,6 +186,9 @@ class PreparePhase(AdmissionPhase):
                 f"n={body.n} is above this server's limit of {self.cfg.ingress.max_n}", "n"
             )
         self._check_joint(body, 1, tenant)
+        # tool_choice as vLLM takes it; required or a named tool become structured output
+        # (in the request, before its sampling is built below)
+        parsing = self.parsers.plan(body) if isinstance(body, ChatCompletionRequest) else None
         limits = self.cfg.tenants.limits(tenant)
         space = f"@{limits.cache_group}" if limits.cache_group else tenant
         salt = space if not body.cache_salt else f"{space}:{body.cache_salt}"
@@ -276,6 +282,7 @@ class PreparePhase(AdmissionPhase):
             echo_only=resolved.echo_only,
             token_ids=bool(body.return_token_ids),
             extra=extra,
+            parsing=parsing,
         )
         if charge:
             await self.admit(prep)

@@ -16,6 +16,7 @@ from controllers.tenants import Bucket
 from deployments.ingress.auth import ANONYMOUS
 from deployments.ingress.openai_requests import usage
 from deployments.ingress.openai_responses import LogprobFormat
+from deployments.ingress.parsing import ChatParsing
 from deployments.protocol import EngineChunk, RouteHint, Sampling
 
 
@@ -84,6 +85,8 @@ class Prepared:
     token_ids: bool = False
     #: top-level response fields vLLM adds on request (``prompt_text``, ...)
     extra: dict[str, Any] = field(default_factory=dict)
+    #: a chat's tool-call and reasoning parsing (``None``: the server runs no parser)
+    parsing: ChatParsing | None = None
     #: what changes as the request runs
     run: RunState = field(default_factory=RunState)
 
