@@ -68,7 +68,11 @@ class OutputParsers:
         self.parser_cls: type[Parser] | None = None
         if model.tool_call_parser or model.reasoning_parser:
             from vllm.parser import ParserManager
+            from vllm.tokenizers.hf import get_cached_tokenizer
 
+            # vLLM's server hands its parsers this proxy: the vocabulary and special ids
+            # computed once, not at each parser's construction (one per choice)
+            self.tokenizer = tokenizer = get_cached_tokenizer(tokenizer)
             try:
                 self.parser_cls = ParserManager.get_parser(
                     tool_parser_name=model.tool_call_parser,
