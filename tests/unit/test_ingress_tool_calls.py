@@ -174,13 +174,32 @@ def structural_tag(dec: Any) -> dict[str, Any]:
     return tag
 
 
+def grammar_takes(dec: Any, tok: Any, text: str) -> bool:
+    """Whether the decode's structured output, compiled by xgrammar (vLLM's backend on CPU)
+    for the model's tokenizer, lets the model write ``text``."""
+    import xgrammar as xgr
+
+    so = dec.seen[-1].sampling.params["structured_outputs"]
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok))
+    matcher = xgr.GrammarMatcher(
+        xgr.GrammarCompiler(info).compile_structural_tag(so.structural_tag)
+    )
+    return bool(matcher.accept_string(text))
+
+
 # -- tool_choice: required and named become structured output on the decode engine -----------
 
 
-def test_required_constrains_the_decode_to_a_call_of_the_tools_schema(tools_only: Any) -> None:
+def test_required_constrains_the_decode_to_a_call_of_the_tools_schema(
+    tools_only: Any, tok: Any
+) -> None:
     client, _, dec = tools_only
     dec.answers = [CALL]
     body = answered(chat(client, tools=TOOLS, tool_choice="required"))
+    # the grammar takes a call, and neither plain text nor arguments off the schema
+    assert grammar_takes(dec, tok, CALL)
+    assert not grammar_takes(dec, tok, "It is sunny.")
+    assert not grammar_takes(dec, tok, CALL.replace('"Paris"', "42"))
     tag = structural_tag(dec)
     tags = tag["format"]["tags"]
     assert tag["format"]["at_least_one"] is True
@@ -201,11 +220,14 @@ def test_required_constrains_the_decode_to_a_call_of_the_tools_schema(tools_only
     assert choice["message"]["content"] == ""  # vLLM's content for a required call
 
 
-def test_a_named_tool_constrains_to_that_one_call_and_finishes_with_stop(tools_only: Any) -> None:
+def test_a_named_tool_constrains_to_that_one_call_and_finishes_with_stop(
+    tools_only: Any, tok: Any
+) -> None:
     client, _, dec = tools_only
     dec.answers = [TIME_CALL]
     named = {"type": "function", "function": {"name": "get_time"}}
     body = answered(chat(client, tools=TOOLS, tool_choice=named))
+    assert grammar_takes(dec, tok, TIME_CALL) and not grammar_takes(dec, tok, CALL)
     tag = structural_tag(dec)
     assert all("get_time" in t["begin"] for t in tag["format"]["tags"])
     assert tag["format"]["stop_after_first"] is True
