@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from deployments.ingress.openai_requests import RequestError
 
 if TYPE_CHECKING:
+    from vllm.entrypoints.generate.base.protocol import DeltaMessage, FunctionCall
     from vllm.parser.abstract_parser import Parser
 
     from deployments.config import ModelConfig
@@ -171,6 +172,29 @@ class ChatParsing:
         token ids, which would show it."""
         return not self.request.include_reasoning
 
+    def parse(
+        self, text: str, token_ids: list[int], prompt_ids: list[int]
+    ) -> tuple[str | None, str | None, list[FunctionCall], int]:
+        """One whole choice through ``Parser.parse`` with a parser of its own: its reasoning
+        (``None`` when hidden, ``include_reasoning: false``), content, tool calls and
+        reasoning tokens, as vLLM's servers take them (chat lays them out as a message,
+        the Responses API as output items)."""
+        parser = self.new_parser()
+        parser.set_prompt_token_ids(prompt_ids)
+        try:
+            reasoning, content, calls = parser.parse(
+                text,
+                self.request,
+                enable_auto_tools=self.parsers.enable_auto_tools,
+                model_output_token_ids=token_ids,
+            )
+            reasoning_tokens = parser.count_reasoning_tokens(token_ids)
+        except Exception as e:
+            raise _parser_failed(e) from e
+        if self.hide_reasoning:
+            reasoning = None
+        return reasoning, content, list(calls or ()), int(reasoning_tokens)
+
     def message(
         self,
         text: str,
@@ -193,23 +217,10 @@ class ChatParsing:
         from vllm.renderers.chat_utils import make_tool_call_id
 
         req = self.request
-        parser = self.new_parser()
-        parser.set_prompt_token_ids(prompt_ids)
-        try:
-            reasoning, content, calls = parser.parse(
-                text,
-                req,
-                enable_auto_tools=self.parsers.enable_auto_tools,
-                model_output_token_ids=token_ids,
-            )
-            reasoning_tokens = parser.count_reasoning_tokens(token_ids)
-        except Exception as e:
-            raise _parser_failed(e) from e
-        if self.hide_reasoning:
-            reasoning = None
+        reasoning, content, calls, reasoning_tokens = self.parse(text, token_ids, prompt_ids)
         named = type(req.tool_choice) is ChatCompletionNamedToolChoiceParam
         required = req.tool_choice == "required"
-        tool_calls = [ToolCall(id=tc.id or make_tool_call_id(), function=tc) for tc in calls or []]
+        tool_calls = [ToolCall(id=tc.id or make_tool_call_id(), function=tc) for tc in calls]
         auto_called = False
         tool_parsing = self.parsers.tool_parsing
         # the branches of vLLM's chat_completion_full_generator, in its order
@@ -271,6 +282,21 @@ class ChoiceStream:
         lays it out (``None``: nothing to send yet, e.g. a tool call's opening tag), and its
         finish reason (``tool_calls`` when calls were streamed and the choice stopped, unless
         the tool was named)."""
+        d = self.parse(text, token_ids, finish_reason)
+        if d is not None and d.tool_calls:
+            self.tools_streamed = True
+        finish = finish_reason
+        if finish == "stop" and self.tools_streamed and not self.named:
+            finish = "tool_calls"
+        if d is None:
+            return None, finish
+        return _with_reasoning_content(d.model_dump(mode="json", exclude_unset=True)), finish
+
+    def parse(
+        self, text: str, token_ids: list[int], finish_reason: str | None
+    ) -> DeltaMessage | None:
+        """One chunk through ``Parser.parse_delta``: vLLM's ``DeltaMessage`` (``None``:
+        nothing to send yet), its tool calls held to ``parallel_tool_calls``."""
         from vllm.entrypoints.serve.utils.tool_calls_utils import (
             maybe_filter_parallel_tool_calls,
         )
@@ -287,15 +313,7 @@ class ChoiceStream:
             )
         except Exception as e:
             raise _parser_failed(e) from e
-        if d is not None and d.tool_calls:
-            self.tools_streamed = True
-        finish = finish_reason
-        if finish == "stop" and self.tools_streamed and not self.named:
-            finish = "tool_calls"
-        if d is None:
-            return None, finish
-        d = maybe_filter_parallel_tool_calls(d, req)
-        return _with_reasoning_content(d.model_dump(mode="json", exclude_unset=True)), finish
+        return None if d is None else maybe_filter_parallel_tool_calls(d, req)
 
     def reasoning_tokens(self) -> int:
         try:
