@@ -408,6 +408,7 @@ def sampling_of(
     defaults: dict[str, Any] | None = None,
     max_tokens_cap: int | None = None,
     trust_request_chat_template: bool = False,
+    clamp_to_room: bool = False,
 ) -> Resolved:
     """The engines' sampling for ``req``, after every PD-path check.
 
@@ -417,7 +418,8 @@ def sampling_of(
     ``defaults`` are the server's default sampling values (vLLM's
     ``default_sampling_params``: the model's generation config). ``max_tokens_cap`` is the
     tenant's cap: a request asking for more is a 400 naming the field; the default is held
-    under it.
+    under it. ``clamp_to_room``: more ``max_tokens`` than the context has room for is held
+    to the room instead (vLLM's Responses API does that with ``max_output_tokens``).
     """
     refuse_unsupported(req, trust_request_chat_template)
     chat = isinstance(req, ChatCompletionRequest)
@@ -436,6 +438,8 @@ def sampling_of(
             asked, fname = vars(req).get("max_tokens"), "max_tokens"
     else:
         asked, fname = req.max_tokens, "max_tokens"
+    if asked is not None and asked > room and clamp_to_room:
+        asked = room
     if asked is not None and asked > room:
         raise RequestError(
             f"{fname}={asked} plus the prompt's {prompt_tokens} tokens exceeds "
