@@ -552,14 +552,19 @@ class ResponsesPhase(RespondPhase):
         created: int,
     ) -> ResponsesResponse:
         """vLLM's ``ResponsesResponse.from_request`` over the request as the client sent it
-        and the sampling the engines ran (temperature, top_p, max_output_tokens as
-        resolved)."""
+        (``background`` and ``truncation`` sent as null echoed as their defaults) and the
+        sampling the engines ran (temperature, top_p, max_output_tokens as resolved)."""
         from vllm.entrypoints.openai.responses.protocol import ResponsesResponse
 
-        assert prep.responses is not None
+        req = prep.responses
+        assert req is not None
+        # null where the request allows it and the response does not (vLLM would fail there)
+        req = req.model_copy(
+            update={"background": bool(req.background), "truncation": req.truncation or "disabled"}
+        )
         sampling: Any = SimpleNamespace(**(prep.sampling.params or {}))
         return ResponsesResponse.from_request(
-            prep.responses,
+            req,
             sampling,
             model_name=self.model_name,
             created_time=created,

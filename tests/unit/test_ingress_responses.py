@@ -35,7 +35,7 @@ from deployments.ingress.responses_api import (
     ResponsesRequest,
     to_chat,
 )
-from tests.unit.test_deployments_ingress import FakeEngine, _wire, auth
+from tests.unit.test_deployments_ingress import OP, FakeEngine, _wire, auth
 from tests.unit.test_ingress_tool_calls import CALL, PARSERS, _agent
 
 pytestmark = pytest.mark.slow  # the tiny model's tokenizer
@@ -151,6 +151,9 @@ def test_a_plain_text_response(plain: Any, tok: Any) -> None:
     assert body["temperature"] == 0.5 and body["max_output_tokens"] == 20
     assert dec.seen[-1].sampling.max_tokens == 20 and dec.seen[-1].sampling.temperature == 0.5
     assert body["pdserve"]["ingress_replica"] == "local"  # pdserve's field, as on chat
+    # null where vLLM's request allows it and its response does not: echoed as the default
+    body = answered(create(client, background=None, truncation=None, parallel_tool_calls=None))
+    assert (body["background"], body["truncation"]) == (False, "disabled")
     # the request's id is the response's (vLLM's rule)
     assert answered(create(client, request_id="resp_mine"))["id"] == "resp_mine"
     # the openai client reads it
@@ -476,6 +479,8 @@ def test_refusals_are_charged_to_the_tenant_as_chats_are(tiny_model_dir: Path) -
     body = {"model": "test", "input": "hi", "previous_response_id": "resp_1"}
     codes = [client.post("/v1/responses", json=body, headers=auth("k-r")) for _ in range(3)]
     assert [r.status_code for r in codes] == [400, 400, 429]
+    # a tenant route: the operator's key is not taken there
+    assert client.post("/v1/responses", json=body, headers=OP).status_code == 403
     lim = client.core.limiter
     b = Bucket(1000 / 60.0, 1000.0)
 
