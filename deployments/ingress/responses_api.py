@@ -341,9 +341,8 @@ def _tool_choice(req: ResponsesRequest) -> Any:
 def check_responses(req: ResponsesRequest, reasoning_parser: bool) -> None:
     """Refuse what this path cannot honour, naming the field (cheap: before any tokenizing):
     :data:`RESPONSES_REFUSED` and the chat path's ``REFUSED`` (``priority``, ...), tools
-    other than functions, ``reasoning`` without a reasoning
-    parser (the reasoning would come back inside the text), input items and content other
-    than text turns and function calls and their outputs."""
+    other than functions, ``reasoning`` without a reasoning parser (the reasoning would come
+    back inside the text). The input items are :func:`check_input_items`'s."""
     for name, (bad, why) in RESPONSES_REFUSED.items():
         if bad(req):
             raise RequestError(f"{name}: {why}", name)
