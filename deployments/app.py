@@ -13,6 +13,7 @@ autoscaler, :mod:`deployments.autoscaling`).
 from __future__ import annotations
 
 import fcntl
+import logging
 from typing import Any
 
 from ray import serve
@@ -24,19 +25,34 @@ from deployments.config import AppConfig, Role, live_defaults, load_app_config
 from deployments.engine import EngineReplica
 from deployments.ingress.http import Ingress
 
+log = logging.getLogger("deployments.app")
+
 Engine: Any = serve.deployment(EngineReplica, name="engine")
 
 
 def ensure_model(cfg: AppConfig) -> None:
-    """Build ``cfg.model`` into its folder when missing and ``build_preset`` allows.
+    """Build ``cfg.model`` into its folder when missing and ``build_preset`` allows, or
+    rebuild it when an older builder wrote it (:func:`engines.model_builder.is_stale`: its
+    chat template or tokens changed since), with the preset and seed its card records.
 
     Serialised with a file lock, so concurrent deploys build it once. A missing model with
-    ``build_preset: null`` is a ``FileNotFoundError`` naming ``model.path``.
+    ``build_preset: null`` is a ``FileNotFoundError`` naming ``model.path``; a stale one with
+    ``build_preset: null`` (a folder baked into an image, say) is left as it is, with a
+    warning.
     """
+    from engines.model_builder import build_model, is_stale, model_card
+
     path = cfg.model.resolved_path()
-    if (path / "config.json").exists():
+    if (path / "config.json").exists() and not is_stale(path):
         return
     if cfg.model.build_preset is None:
+        if (path / "config.json").exists():
+            log.warning(
+                "model.path: %s was built by an older engines.model_builder (its chat template "
+                "or tokens differ); model.build_preset is null, so it is not rebuilt",
+                path,
+            )
+            return
         raise FileNotFoundError(
             f"model.path: {path} has no config.json and model.build_preset is null"
         )
@@ -44,9 +60,24 @@ def ensure_model(cfg: AppConfig) -> None:
     with open(path.parent / f".{path.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (path / "config.json").exists():
-            from engines.model_builder import build_model
-
             build_model(path, cfg.model.build_preset, cfg.model.build_seed)
+        elif is_stale(path):
+            card = model_card(path) or {}
+            build_model(path, str(card["preset"]), int(card.get("seed", 0)))
+
+
+def check_parsers(cfg: AppConfig) -> None:
+    """The tool-call and reasoning parsers ``cfg.model`` names, built once with the model's
+    tokenizer, so one that cannot serve it (a reasoning parser whose think tokens it lacks)
+    fails the deploy naming the fields, not each ingress replica's start. Nothing is loaded
+    when none is named."""
+    if cfg.model.tool_call_parser is None and cfg.model.reasoning_parser is None:
+        return
+    from transformers import AutoTokenizer
+
+    from deployments.ingress.parsing import OutputParsers
+
+    OutputParsers(cfg.model, AutoTokenizer.from_pretrained(str(cfg.model.resolved_path())))
 
 
 def request_router_config(cfg: AppConfig, role: Role) -> RequestRouterConfig:
@@ -85,6 +116,7 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
     cfg = load_app_config(args or {})
     cfg.check_auth()  # closed by default: keys, or `ingress.auth: none` said explicitly
     ensure_model(cfg)
+    check_parsers(cfg)
     d = cfg.model_dump(mode="json")
     live = live_defaults(cfg)
     engines = {}

@@ -15,7 +15,9 @@ Presets:
 
 The same ``(preset, seed)`` gives byte-identical weights and tokenizer files. The preset name
 is written into ``config.json`` (``pdserve_preset``) and ``pdserve_model.json``, so profiles
-and benchmarks can say which preset they ran on.
+and benchmarks can say which preset they ran on; the model card also records
+:data:`BUILDER_VERSION`, so a folder an older builder wrote (another chat template, other
+tokens) is known as stale (:func:`is_stale`) and rebuilt on deploy.
 """
 
 from __future__ import annotations
@@ -23,22 +25,65 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 Preset = Literal["test", "bench"]
 
-#: Tools, when a request gives them, go in a system turn as JSON (as real models' templates
-#: render them), so the tool path through the chat template is exercised on the tiny models.
+#: The chat template, in the layout vLLM's ``hermes`` tool parser reads (as Hermes- and
+#: Qwen-style templates render it): a request's tools are listed in the system turn (after the
+#: system message's own text, or in a system turn of their own), an assistant's tool calls are
+#: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` after its text, a tool's result
+#: is a ``tool`` turn. ``enable_thinking`` (a ``chat_template_kwargs`` entry; vLLM sets it from
+#: ``reasoning_effort``) opens the answer with ``<think>``, as reasoning models' templates do.
+#: The instructions name the tags without writing them: a ``<tool_call>`` in the prompt reads
+#: as the end of reasoning to vLLM's ``qwen3`` reasoning parser (which knows ChatML's turns,
+#: not these). A conversation without tools renders as before
+#: (``<s><|user|>\nhi</s>\n<|assistant|>\n``).
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
-    "{% if tools %}{{ '<|system|>\\ntools: ' + (tools | tojson) + eos_token + '\\n' }}{% endif %}"
-    "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>\\n' + (message['content'] or '') + eos_token + '\\n' }}"
+    "{% set ns = namespace(skip=-1) %}"
+    "{% if tools %}"
+    "{{ '<|system|>\\n' }}"
+    "{% if messages and messages[0]['role'] == 'system' %}"
+    "{{ (messages[0]['content'] or '') + '\\n\\n' }}{% set ns.skip = 0 %}"
+    "{% endif %}"
+    "{{ 'You may call one or more functions. They are listed in <tools></tools>:\\n<tools>\\n' }}"
+    "{% for tool in tools %}{{ (tool | tojson) + '\\n' }}{% endfor %}"
+    "{{ '</tools>\\nTo call a function, answer with a JSON object of its name and arguments, '"
+    ' + \'{"name": <name>, "arguments": <arguments>}, between tool_call tags.\''
+    " + eos_token + '\\n' }}"
+    "{% endif %}"
+    "{% for message in messages %}{% if loop.index0 != ns.skip %}"
+    "{{ '<|' + message['role'] + '|>\\n' + (message['content'] or '') }}"
+    "{% if message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{% for call in message['tool_calls'] %}"
+    "{% set f = call['function'] if call['function'] is defined else call %}"
+    "{{ '<tool_call>{\"name\": ' + (f['name'] | tojson) + ', \"arguments\": ' }}"
+    "{{ f['arguments'] if f['arguments'] is string else (f['arguments'] | tojson) }}"
+    "{{ '}</tool_call>' }}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+    "{% endif %}"
+    "{{ eos_token + '\\n' }}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}"
+    "{% if enable_thinking is defined and enable_thinking %}{{ '<think>\\n' }}{% endif %}"
+    "{% endif %}"
 )
 
 SPECIAL_TOKENS = ["<unk>", "<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>"]
+
+#: Markup tokens added after training, not special (so decoding keeps them, as in Qwen's and
+#: Hermes' tokenizers): the tool-call tags, and the thinking tags vLLM's ``deepseek_r1`` and
+#: ``qwen3`` reasoning parsers look up in the vocabulary. Appended after the trained vocabulary,
+#: so no trained token's id moves, and within the embedding's padding (see ``build_model``).
+MARKUP_TOKENS = ["<tool_call>", "</tool_call>", "<think>", "</think>"]
+
+#: What ``build_model`` writes for a ``(preset, seed)``, versioned: bumped whenever the files
+#: change for the same preset and seed (the chat template, the tokenizer's tokens). The model
+#: card records it; :func:`is_stale` tells a folder an older builder wrote, which
+#: ``deployments.app.ensure_model`` rebuilds. 1: no record (before tools); 2: the hermes tool
+#: layout in the chat template and :data:`MARKUP_TOKENS`.
+BUILDER_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -89,7 +134,15 @@ def train_tokenizer(vocab_target: int) -> object:
     ``vocab_target`` when the corpus has fewer distinct merges; the model's embedding is sized
     from the trained vocabulary.
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        AddedToken,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
     from transformers import PreTrainedTokenizerFast
 
     from engines.corpus import CORPUS
@@ -115,6 +168,7 @@ def train_tokenizer(vocab_target: int) -> object:
         pad_token="<pad>",
         model_max_length=1_000_000,
     )
+    fast.add_tokens([AddedToken(t, special=False, normalized=False) for t in MARKUP_TOKENS])
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
@@ -180,6 +234,7 @@ def build_model(out_dir: str | Path, preset: str = "test", seed: int = 0) -> Pat
     card = {
         "preset": preset,
         "seed": seed,
+        "builder": BUILDER_VERSION,
         "vocab_size": vocab,
         "params": int(sum(p.numel() for p in model.parameters())),
         **asdict(spec),
@@ -188,9 +243,23 @@ def build_model(out_dir: str | Path, preset: str = "test", seed: int = 0) -> Pat
     return out
 
 
+def model_card(model_dir: str | Path) -> dict[str, Any] | None:
+    """The model card a folder was built with (``None`` for a model not built here)."""
+    card = Path(model_dir) / MODEL_CARD
+    if not card.exists():
+        return None
+    out: dict[str, Any] = json.loads(card.read_text())
+    return out
+
+
+def is_stale(model_dir: str | Path) -> bool:
+    """Whether the folder was built here by an older builder (:data:`BUILDER_VERSION`): the
+    same preset and seed would now give other files. A model not built here never is."""
+    card = model_card(model_dir)
+    return card is not None and int(card.get("builder", 1)) < BUILDER_VERSION
+
+
 def model_preset(model_dir: str | Path) -> str:
     """The preset a folder was built with (``"unknown"`` for a model not built here)."""
-    card = Path(model_dir) / MODEL_CARD
-    if card.exists():
-        return str(json.loads(card.read_text()).get("preset", "unknown"))
-    return "unknown"
+    card = model_card(model_dir)
+    return "unknown" if card is None else str(card.get("preset", "unknown"))

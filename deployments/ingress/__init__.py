@@ -1,5 +1,5 @@
-"""The HTTP ingress: OpenAI's completions and chat completions over the prefill and decode
-replicas, one module per phase of a request.
+"""The HTTP ingress: OpenAI's completions, chat completions and Responses API over the prefill
+and decode replicas, one module per phase of a request.
 
 ==================  ==============================================================
 module              what it holds
@@ -18,6 +18,8 @@ module              what it holds
 ``route``           the prefix index's hint; the decode-local rule
 ``hops``            the prefill call, the decode stream, KV releases, retries
 ``respond``         SSE and JSON bodies, error bodies, the settling stream
+``responses_api``   OpenAI's Responses API: the request as a chat, its output items
+                    and events
 ``warmup``          ``/health`` and the warm-up of replica pairs
 ``stats``           each finished request's record; ``/v1/pdserve/stats``
 ==================  ==============================================================

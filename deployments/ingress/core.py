@@ -63,10 +63,10 @@ from deployments.ingress.prepare import PreparePhase
 from deployments.ingress.request import Prepared, Tally
 from deployments.ingress.respond import (
     ClosingStreamingResponse,
-    RespondPhase,
     SettlingStream,
     error_response,
 )
+from deployments.ingress.responses_api import ResponsesPhase, ResponsesRequest
 from deployments.ingress.route import Placement
 from deployments.ingress.stats import finish_span, report
 from deployments.ingress.tokenizer import Tokenizer, model_defaults
@@ -81,7 +81,7 @@ log = logging.getLogger("deployments.ingress")
 TENANT_NAME = re.compile(TENANT_PATTERN)
 
 
-class IngressCore(PreparePhase, HealthPhase, MigrationPhase, RespondPhase):
+class IngressCore(PreparePhase, HealthPhase, MigrationPhase, ResponsesPhase):
     """The ingress logic, independent of Serve's decorators (handles are injected).
 
     ``prefill`` and ``decode`` are Serve deployment handles (or any object with the same
@@ -144,7 +144,7 @@ class IngressCore(PreparePhase, HealthPhase, MigrationPhase, RespondPhase):
         self._init_stats()
 
     async def complete(
-        self, request: Request, body: CompletionRequest | ChatCompletionRequest
+        self, request: Request, body: CompletionRequest | ChatCompletionRequest | ResponsesRequest
     ) -> Any:
         """``prepare -> route -> prefill -> decode -> respond``; errors are 4xx/5xx bodies.
 
@@ -164,11 +164,14 @@ class IngressCore(PreparePhase, HealthPhase, MigrationPhase, RespondPhase):
     async def _complete(
         self,
         request: Request,
-        body: CompletionRequest | ChatCompletionRequest,
+        body: CompletionRequest | ChatCompletionRequest | ResponsesRequest,
         preps: list[Prepared],
     ) -> Any:
         self._ensure_started()
-        endpoint = "chat" if isinstance(body, ChatCompletionRequest) else "completions"
+        if isinstance(body, ResponsesRequest):
+            endpoint = "responses"
+        else:
+            endpoint = "chat" if isinstance(body, ChatCompletionRequest) else "completions"
         root = self._root_span(request)
         set_attrs(root, {"endpoint": endpoint, "model": self.model_name})
         # 1. prepare: who, what, how many tokens (refused here: nothing was held)
@@ -293,11 +296,14 @@ class IngressCore(PreparePhase, HealthPhase, MigrationPhase, RespondPhase):
             tally = Tally(parts)
             for prep, _ in parts:  # from here the stream settles them, when it closes
                 prep.run.stream_owned = True
+            sse = self.responses_sse if prep0.responses is not None else self.respond_sse
             body = SettlingStream(
-                self.respond_sse(parts, prepend(first, chunks), tally),
+                sse(parts, prepend(first, chunks), tally),
                 lambda: self._close_stream(parts, chunks),
             )
             return ClosingStreamingResponse(body, media_type="text/event-stream")
+        if prep0.responses is not None:
+            return await self.responses_json(parts, chunks)
         return await self.respond_json(parts, chunks)
 
     async def _close_stream(

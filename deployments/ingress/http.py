@@ -31,6 +31,7 @@ from deployments.ingress.openai_requests import (
     TokenizeCompletionRequest,
 )
 from deployments.ingress.respond import error_response
+from deployments.ingress.responses_api import ResponsesRequest
 
 api = FastAPI(title="pdserve", description="OpenAI-compatible prefill/decode serving")
 api.add_middleware(BodyGuard)
@@ -93,6 +94,11 @@ class Ingress:
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request, body: ChatCompletionRequest) -> Any:
+        return await self.core.complete(request, body)
+
+    @api.post("/v1/responses")
+    async def responses(self, request: Request, body: ResponsesRequest) -> Any:
+        """OpenAI's Responses API, stateless: run as a chat (:mod:`.responses_api`)."""
         return await self.core.complete(request, body)
 
     @api.post("/tokenize")

@@ -12,13 +12,15 @@ accepts, field for field, and builds the engines' ``SamplingParams`` with vLLM's
 - the fields the prefill/decode path cannot honour are refused with a 400 whose message says
   why; every such field and reason is in :data:`REFUSED`, the one place the API document's
   table and the contract test read. Fields vLLM itself ignores on generation endpoints are
-  listed in :data:`IGNORED`.
+  listed in :data:`IGNORED`. ``tool_choice`` is refused as vLLM refuses it, by the server's
+  parsers (:meth:`deployments.ingress.parsing.OutputParsers.check`).
 
 The responses are :mod:`deployments.ingress.openai_responses`.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import uuid
 from collections.abc import Callable
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from openai.types.completion_usage import CompletionUsage, PromptTokensDetails
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 from vllm.entrypoints.openai.chat_completion.protocol import (
     ChatCompletionRequest as _VllmChatRequest,
@@ -120,6 +122,32 @@ def _strictly(shape: type[BaseModel], data: Any) -> Any:
     return data
 
 
+@functools.cache
+def _tool_call_shape() -> TypeAdapter[Any]:
+    from openai.types.chat import ChatCompletionMessageToolCallUnionParam
+
+    return TypeAdapter(ChatCompletionMessageToolCallUnionParam)
+
+
+def _check_tool_calls(calls: Any, where: str) -> None:
+    """An assistant message's ``tool_calls``, each checked now against the type vLLM's
+    message takes (OpenAI's tool call): vLLM's model checks them lazily, where a bad one's
+    error loses its place in the body."""
+    if not isinstance(calls, list):
+        return
+    for j, call in enumerate(calls):
+        try:
+            _tool_call_shape().validate_python(call)
+        except ValidationError as e:
+            err = e.errors()[0]
+            at = ".".join(str(p) for p in err["loc"][1:])
+            raise PydanticCustomError(
+                "tool_call",
+                "{param}: {msg}",
+                {"param": f"{where}.{j}" + (f".{at}" if at else ""), "msg": err["msg"]},
+            ) from None
+
+
 def _check_roles(data: Any) -> Any:
     msgs = data.get("messages") if isinstance(data, dict) else None
     if isinstance(msgs, list):
@@ -131,6 +159,8 @@ def _check_roles(data: Any) -> Any:
                     "{param}: {role} is not one of {roles}",
                     {"param": f"messages.{i}.role", "role": repr(role), "roles": ", ".join(ROLES)},
                 )
+            if role == "assistant":
+                _check_tool_calls(m.get("tool_calls"), f"messages.{i}.tool_calls")
     return data
 
 
@@ -255,11 +285,6 @@ REFUSED: dict[str, tuple[Callable[[Any, Any], bool], str]] = {
         "a request-supplied chat template is refused (vLLM refuses it too unless started "
         "with --trust-request-chat-template); the model's own template is used",
     ),
-    "tool_choice": (
-        lambda v, r: v not in (None, "none"),
-        "tool calls need vLLM's tool-call parsers, which pdserve does not run: tools go into "
-        "the chat template with tool_choice 'none' and the reply is plain text",
-    ),
     "media_io_kwargs": (lambda v, r: v is not None, "multimodal inputs are not supported"),
     "mm_processor_kwargs": (lambda v, r: v is not None, "multimodal inputs are not supported"),
     "routed_experts_prompt_start": (
@@ -276,7 +301,6 @@ IGNORED: dict[str, str] = {
     "mm_payload": "render endpoints only (vLLM ignores it on generation too)",
     "return_mm_kwargs": "render endpoints only (vLLM ignores it on generation too)",
     "length_penalty": "beam search only",
-    "parallel_tool_calls": "no tool calls are parsed (see tool_choice)",
     "stream_options.continuous_usage_stats": "usage comes in the last chunk",
 }
 
@@ -384,6 +408,7 @@ def sampling_of(
     defaults: dict[str, Any] | None = None,
     max_tokens_cap: int | None = None,
     trust_request_chat_template: bool = False,
+    clamp_to_room: bool = False,
 ) -> Resolved:
     """The engines' sampling for ``req``, after every PD-path check.
 
@@ -393,7 +418,8 @@ def sampling_of(
     ``defaults`` are the server's default sampling values (vLLM's
     ``default_sampling_params``: the model's generation config). ``max_tokens_cap`` is the
     tenant's cap: a request asking for more is a 400 naming the field; the default is held
-    under it.
+    under it. ``clamp_to_room``: more ``max_tokens`` than the context has room for is held
+    to the room instead (vLLM's Responses API does that with ``max_output_tokens``).
     """
     refuse_unsupported(req, trust_request_chat_template)
     chat = isinstance(req, ChatCompletionRequest)
@@ -412,6 +438,8 @@ def sampling_of(
             asked, fname = vars(req).get("max_tokens"), "max_tokens"
     else:
         asked, fname = req.max_tokens, "max_tokens"
+    if asked is not None and asked > room and clamp_to_room:
+        asked = room
     if asked is not None and asked > room:
         raise RequestError(
             f"{fname}={asked} plus the prompt's {prompt_tokens} tokens exceeds "

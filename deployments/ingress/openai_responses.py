@@ -159,6 +159,9 @@ class ChoiceOut:
     #: completions: the ``logprobs`` object; chat: the ``logprobs.content`` list
     logprobs: Any = None
     prompt_logprobs: Any = None
+    #: chat with the server's parsers: the choice's ``message`` (or a chunk's ``delta``) as
+    #: vLLM's parsing made it (tool calls, reasoning), sent instead of one built from ``text``
+    message: dict[str, Any] | None = None
 
 
 def _dump(m: Any) -> dict[str, Any]:
@@ -218,6 +221,8 @@ def completion_body(
             )
         )
     for out, c in zip(body["choices"], choices, strict=True):
+        if chat and c.message is not None:
+            out["message"] = c.message
         out["stop_reason"] = c.stop_reason
         if token_ids:
             out["token_ids"] = list(c.token_ids)
@@ -277,6 +282,8 @@ def stream_chunk(
         body["choices"] = [choice.model_dump(mode="json")]
     if use is None:
         ch = body["choices"][0]
+        if chat and d.message is not None:
+            ch["delta"] = d.message
         if d.finish_reason is not None:
             ch["stop_reason"] = d.stop_reason
         if token_ids:

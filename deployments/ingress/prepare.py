@@ -38,8 +38,10 @@ from deployments.ingress.openai_requests import (
     single_prompt,
 )
 from deployments.ingress.openai_responses import LogprobFormat
+from deployments.ingress.parsing import OutputParsers
 from deployments.ingress.request import Prepared
 from deployments.ingress.respond import error_response
+from deployments.ingress.responses_api import ResponsesRequest, renamed, to_chat
 from deployments.ingress.template_sandbox import SandboxBusy, SandboxTimeout, TemplateSandbox
 from deployments.ingress.tokenizer import body_size, contents_of, template_variables, text_of
 
@@ -66,28 +68,38 @@ class PreparePhase(AdmissionPhase):
         self.sandbox = TemplateSandbox() if ing.trust_request_chat_template else None
         #: prompts refused because rendering or tokenizing passed ingress.render_timeout_s
         self.render_timeouts = 0
+        #: vLLM's tool-call and reasoning parsers for chat output (model.tool_call_parser, ...)
+        self.parsers = OutputParsers(self.cfg.model, self.tokenizer.tok)
 
     async def prepare(
         self,
         request: Request,
-        body: CompletionRequest | ChatCompletionRequest,
+        body: CompletionRequest | ChatCompletionRequest | ResponsesRequest,
         charge: bool = True,
         tenant: str | None = None,
     ) -> Prepared:
         """Validation, tokenization, block hashes and (``charge``) the tenant's tokens; raises
         :class:`RequestError`. ``tenant`` is whose cache namespace the prompt is hashed in
-        (the caller's own unless an operator names one)."""
+        (the caller's own unless an operator names one). A Responses request is prepared as
+        the chat it becomes (:func:`~deployments.ingress.responses_api.to_chat`), its
+        refusals naming its own fields."""
         t0 = time.monotonic()
-        chat = isinstance(body, ChatCompletionRequest)
         if tenant is None:
             tenant = (await self.principal(request)).tenant
+        responses = body if isinstance(body, ResponsesRequest) else None
         try:
             deadline = t0 + self._timeout_of(request)
-            prep = await self._prepare(request, body, tenant, t0, deadline, chat, charge)
+            if responses is not None:
+                body = to_chat(responses, self.parsers.reasoning)
+            assert not isinstance(body, ResponsesRequest)
+            chat = isinstance(body, ChatCompletionRequest)
+            prep = await self._prepare(request, body, tenant, t0, deadline, chat, charge, responses)
         except RequestError as e:
             e.tenant = tenant
             if charge and e.tokenized:  # refused after the work: the work is charged
                 await self.charge_tokens(tenant, e.tokenized)
+            if responses is not None:
+                renamed(e)
             raise
         return prep
 
@@ -171,6 +183,7 @@ class PreparePhase(AdmissionPhase):
         deadline: float,
         chat: bool,
         charge: bool,
+        responses: ResponsesRequest | None = None,
     ) -> Prepared:
         if charge:
             self.check_queue_room()
@@ -183,6 +196,9 @@ class PreparePhase(AdmissionPhase):
                 f"n={body.n} is above this server's limit of {self.cfg.ingress.max_n}", "n"
             )
         self._check_joint(body, 1, tenant)
+        # tool_choice as vLLM takes it; required or a named tool become structured output
+        # (in the request, before its sampling is built below)
+        parsing = self.parsers.plan(body) if isinstance(body, ChatCompletionRequest) else None
         limits = self.cfg.tenants.limits(tenant)
         space = f"@{limits.cache_group}" if limits.cache_group else tenant
         salt = space if not body.cache_salt else f"{space}:{body.cache_salt}"
@@ -240,6 +256,7 @@ class PreparePhase(AdmissionPhase):
                 defaults=self.defaults,
                 max_tokens_cap=limits.max_tokens,
                 trust_request_chat_template=trust,
+                clamp_to_room=responses is not None,
             )
             if colocated and resolved.sampling.prompt_logprobs is not None:
                 field = "echo" if getattr(body, "echo", False) else "prompt_logprobs"
@@ -252,7 +269,10 @@ class PreparePhase(AdmissionPhase):
 
         where = "messages" if chat else "prompt"
         ids, text, resolved, hashes = await self._off_loop(work, body_size(body), where)
-        rid = new_id("chatcmpl" if chat else "cmpl", body.request_id)
+        if responses is not None:  # vLLM's: the response's id is the request's
+            rid = responses.request_id
+        else:
+            rid = new_id("chatcmpl" if chat else "cmpl", body.request_id)
         extra: dict[str, Any] = {}
         if chat and body.return_prompt_text:  # type: ignore[union-attr]
             extra["prompt_text"] = text
@@ -276,6 +296,8 @@ class PreparePhase(AdmissionPhase):
             echo_only=resolved.echo_only,
             token_ids=bool(body.return_token_ids),
             extra=extra,
+            parsing=parsing,
+            responses=responses,
         )
         if charge:
             await self.admit(prep)

@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from controllers.tenants import Bucket
 from deployments.ingress.auth import ANONYMOUS
 from deployments.ingress.openai_requests import usage
 from deployments.ingress.openai_responses import LogprobFormat
+from deployments.ingress.parsing import ChatParsing
 from deployments.protocol import EngineChunk, RouteHint, Sampling
+
+if TYPE_CHECKING:
+    from deployments.ingress.responses_api import ResponsesRequest
 
 
 @dataclass
@@ -86,6 +90,11 @@ class Prepared:
     token_ids: bool = False
     #: top-level response fields vLLM adds on request (``prompt_text``, ...)
     extra: dict[str, Any] = field(default_factory=dict)
+    #: a chat's tool-call and reasoning parsing (``None``: the server runs no parser)
+    parsing: ChatParsing | None = None
+    #: a Responses API request (``/v1/responses``) as the client sent it: it runs as the chat
+    #: it became, and its response is laid out from it (``None``: completions or chat)
+    responses: ResponsesRequest | None = None
     #: what changes as the request runs
     run: RunState = field(default_factory=RunState)
 
@@ -96,6 +105,8 @@ def cached_tokens(prep: Prepared, pre: EngineChunk) -> int:
 
 
 def endpoint_of(prep: Prepared) -> str:
+    if prep.responses is not None:
+        return "responses"
     return "chat" if prep.chat else "completions"
 
 

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi.responses import JSONResponse, StreamingResponse
+from openai.types.completion_usage import CompletionTokensDetails, CompletionUsage
 
 from deployments.ingress.openai_requests import RequestError
 from deployments.ingress.openai_responses import (
@@ -26,6 +27,7 @@ from deployments.ingress.openai_responses import (
     prompt_logprobs_json,
     stream_chunk,
 )
+from deployments.ingress.parsing import ChoiceStream
 from deployments.ingress.request import Prepared, Tally, endpoint_of
 from deployments.ingress.stats import Records, finish_span
 from deployments.protocol import EngineChunk, TokenLogprob
@@ -49,7 +51,8 @@ class RespondPhase(Records):
         first = ch.index not in state
         text = ch.text
         entries: list[TokenLogprob | None] = list(ch.logprobs or ())
-        if first and prep.echo is not None:
+        # with the server's parsers a chat's echo joins the parsed content instead
+        if first and prep.echo is not None and prep.parsing is None:
             text = prep.echo + text
             if not prep.chat and prep.fmt is not None:
                 entries = self._prompt_entries(pre) + entries
@@ -95,6 +98,7 @@ class RespondPhase(Records):
                 c.finish_reason = d.finish_reason or c.finish_reason
                 c.stop_reason = d.stop_reason if d.finish_reason else c.stop_reason
                 c.logprobs = merge_logprobs(c.logprobs, d.logprobs)
+            reasoning_tokens = self._parse_choices(parts, choices)
         except RequestError as e:
             return self._failed(prep0, e)
         total_s, engine_s = self.record_all(tally, 200)[0]
@@ -107,13 +111,14 @@ class RespondPhase(Records):
                 c.prompt_logprobs = prompt_logprobs_json(pre.prompt_logprobs)
         if prep0.chat and parts[0][1].prompt_logprobs is not None:
             extra["prompt_logprobs"] = prompt_logprobs_json(parts[0][1].prompt_logprobs)
+        hidden = prep0.parsing is not None and prep0.parsing.hide_reasoning
         out = completion_body(
             prep0.rid,
             self.model_name,
             [choices[i] for i in sorted(choices)],
-            tally.usage(),
+            with_reasoning_tokens(tally.usage(), reasoning_tokens),
             prep0.chat,
-            token_ids=prep0.token_ids,
+            token_ids=prep0.token_ids and not hidden,
             extra=extra,
         )
         if not prep0.chat and "prompt_token_ids" in prep0.extra:
@@ -132,6 +137,69 @@ class RespondPhase(Records):
             out["pdserve"]["decode_replicas"] = [x.replica_id if x else None for x in last]
         return JSONResponse(out)
 
+    def _parse_choices(
+        self, parts: list[tuple[Prepared, EngineChunk]], choices: dict[int, ChoiceOut]
+    ) -> int | None:
+        """Each whole chat choice through the server's parsers (:mod:`.parsing`): its
+        message (tool calls, reasoning), finish reason, and (``include_reasoning: false``) no
+        logprobs; a chat's echo joins the parsed content, as vLLM joins it. Returns the
+        reasoning tokens of them all (``None`` without a reasoning parser)."""
+        plan = parts[0][0].parsing
+        if plan is None:
+            return None
+        n = parts[0][0].sampling.n
+        total = 0
+        for i, c in choices.items():
+            prep = parts[i // n][0]
+            msg, c.finish_reason, reasoning = plan.message(
+                c.text, c.token_ids, c.finish_reason, list(prep.ids)
+            )
+            if prep.echo is not None:
+                msg["content"] = prep.echo + (msg.get("content") or "")
+            c.message = msg
+            if plan.hide_reasoning:
+                c.logprobs = None
+            total += reasoning
+        return total if plan.parsers.reasoning else None
+
+    def _parsed_chunks(
+        self,
+        prep: Prepared,
+        ch: EngineChunk,
+        d: ChoiceOut,
+        streams: dict[int, ChoiceStream],
+        created: int,
+    ) -> list[dict[str, Any]]:
+        """The SSE bodies of one decode chunk of a chat the server's parsers parse: a
+        choice's first is preceded by its role chunk (with a chat's echo, and the fields vLLM
+        sends first); then the parsed delta (tool-call deltas, reasoning, content), unless
+        the parser holds it back and nothing else (a finish, logprobs, token ids) must go."""
+        plan = prep.parsing
+        assert plan is not None
+        out = []
+        st = streams.get(ch.index)
+        if st is None:
+            st = streams[ch.index] = plan.stream(list(prep.ids))
+            role = ChoiceOut(index=ch.index, text=prep.echo or "")
+            body = stream_chunk(
+                prep.rid, self.model_name, created, chat=True, delta=role, role=True
+            )
+            body.update(prep.extra)  # vLLM sends them with the first chunk
+            out.append(body)
+        delta, d.finish_reason = st.delta(ch.text, list(ch.token_ids), ch.finish_reason)
+        if plan.hide_reasoning:  # no per-token data that would show the reasoning
+            d.logprobs = None
+        ids = prep.token_ids and not plan.hide_reasoning
+        if delta is None:
+            if d.finish_reason is None and d.logprobs is None and not ids:
+                return out
+            delta = {}
+        d.message = delta
+        out.append(
+            stream_chunk(prep.rid, self.model_name, created, chat=True, delta=d, token_ids=ids)
+        )
+        return out
+
     async def respond_sse(
         self,
         parts: list[tuple[Prepared, EngineChunk]],
@@ -148,11 +216,17 @@ class RespondPhase(Records):
             return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
         state: dict[int, Any] = {}
+        #: the parsing of each chat choice (the server's parsers), kept for the stream
+        streams: dict[int, ChoiceStream] = {}
         try:
             async for ch in with_echo_only(parts, chunks):
                 prep, pre = tally.take(ch)
                 first = ch.index not in state
                 d = self._delta(prep, pre, ch, state)
+                if prep.parsing is not None:
+                    for body in self._parsed_chunks(prep, ch, d, streams, created):
+                        yield sse(body)
+                    continue
                 # a token with no text yet (part of a character, a stop string's head held
                 # back) still goes out when the client asked for token ids
                 if d.text or d.finish_reason or first or d.logprobs or prep.token_ids:
@@ -175,6 +249,12 @@ class RespondPhase(Records):
             status = 200
         if prep0.with_usage:
             use = tally.usage()
+            if prep0.parsing is not None and prep0.parsing.parsers.reasoning:
+                try:
+                    spent = sum(st.reasoning_tokens() for st in streams.values())
+                except RequestError:
+                    spent = None
+                use = with_reasoning_tokens(use, spent)
             yield sse(stream_chunk(prep0.rid, m, created, chat=prep0.chat, use=use))
         yield "data: [DONE]\n\n"
         self.record_all(tally, status)
@@ -205,6 +285,14 @@ class RespondPhase(Records):
             finish_span(prep.run.span, e.status, e.message)
             prep.run.span = None
         return error_response(e)
+
+
+def with_reasoning_tokens(use: CompletionUsage, reasoning: int | None) -> CompletionUsage:
+    """``use`` with ``completion_tokens_details.reasoning_tokens`` when a reasoning parser
+    counted them (vLLM reports them whenever it runs one)."""
+    if reasoning is not None:
+        use.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=reasoning)
+    return use
 
 
 def error_response(e: RequestError) -> JSONResponse:

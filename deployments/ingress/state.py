@@ -14,6 +14,7 @@ The parts inherit what they call, so each one's dependencies are its bases::
         │   └── HealthPhase              (warmup)
         └── Records                      (stats)
             └── RespondPhase             (respond)
+                └── ResponsesPhase       (responses_api)
 
 and :class:`~deployments.ingress.core.IngressCore` joins them.
 """

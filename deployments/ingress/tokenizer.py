@@ -110,6 +110,8 @@ class Tokenizer:
         for i, m in enumerate(req.messages):
             d = dict(m)
             d["content"] = text_of(d.get("content"), f"messages.{i}.content")
+            if d.get("role") == "assistant":
+                _assistant_turn(d, f"messages.{i}")
             msgs.append(d)
         asked: dict[str, Any] = dict(getattr(req, "chat_template_kwargs", None) or {})
         reserved = sorted(set(asked) & RESERVED_TEMPLATE_KWARGS)
@@ -129,6 +131,9 @@ class Tokenizer:
         effort = getattr(req, "reasoning_effort", None)
         if effort is not None:
             kwargs.setdefault("reasoning_effort", effort)
+            # vLLM turns thinking on or off by the effort, where the template reads it
+            if "enable_thinking" in template_vars:
+                kwargs.setdefault("enable_thinking", effort != "none")
         tools = getattr(req, "tools", None)
         documents = getattr(req, "documents", None)
         return {
@@ -165,6 +170,30 @@ class Tokenizer:
         """The template variables ``apply_chat_template`` adds (``bos_token``, ...), for a
         template rendered elsewhere (:mod:`deployments.ingress.template_sandbox`)."""
         return {k: v for k, v in self.tok.special_tokens_map.items() if isinstance(v, str)}
+
+
+def _assistant_turn(msg: dict[str, Any], where: str) -> None:
+    """An assistant message as vLLM hands it to the chat template (``vllm.renderers.
+    chat_utils``): its tool calls' ``arguments`` as objects, not JSON strings (what
+    templates expect; vLLM's own ``_postprocess_messages``), its ``reasoning`` also as
+    ``reasoning_content``. ``msg`` is the request's message copied; its tool calls are
+    copied before they change."""
+    import copy
+
+    from vllm.exceptions import VLLMValidationError
+    from vllm.renderers.chat_utils import _postprocess_messages
+
+    reasoning = msg.get("reasoning")
+    if reasoning is not None:
+        msg["reasoning_content"] = reasoning
+    calls = msg.get("tool_calls")
+    if calls is None:
+        return
+    msg["tool_calls"] = copy.deepcopy(list(calls))
+    try:
+        _postprocess_messages([msg])  # type: ignore[list-item]
+    except VLLMValidationError as e:
+        raise RequestError(f"{where}.tool_calls: {e}", f"{where}.tool_calls") from None
 
 
 def model_defaults(path: str) -> dict[str, Any]:
@@ -207,11 +236,13 @@ def text_of(content: Any, where: str) -> str:
 
 
 def contents_of(messages: Any) -> list[str]:
-    """The string contents of a chat's messages (text parts included), cheaply: before the
-    template runs, to refuse a conversation no context could hold."""
+    """The string contents of a chat's messages (text parts and tool calls' arguments
+    included), cheaply: before the template runs, to refuse a conversation no context could
+    hold."""
     out: list[str] = []
     for m in messages or ():
-        c = dict(m).get("content")
+        d = dict(m)
+        c = d.get("content")
         if isinstance(c, str):
             out.append(c)
         elif isinstance(c, list):
@@ -220,6 +251,12 @@ def contents_of(messages: Any) -> list[str]:
                 for p in c
                 if isinstance(p, dict) and isinstance(p.get("text"), str)
             )
+        calls = d.get("tool_calls")
+        if isinstance(calls, list):  # an assistant's calls are rendered too
+            for call in calls:
+                f = call.get("function") if isinstance(call, dict) else None
+                if isinstance(f, dict) and isinstance(f.get("arguments"), str):
+                    out.append(f["arguments"])
     return out
 
 

@@ -21,6 +21,7 @@ from deployments.ingress.openai_requests import (
     TokenizeChatRequest,
     TokenizeCompletionRequest,
 )
+from deployments.ingress.responses_api import ResponsesRequest
 from deployments.protocol import EngineChunk, EngineRefused, EngineRequest
 
 pytestmark = pytest.mark.slow  # builds the tiny model's tokenizer once per session
@@ -159,6 +160,10 @@ def _wire(
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request, body: ChatCompletionRequest) -> Any:
+        return await core.complete(request, body)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request, body: ResponsesRequest) -> Any:
         return await core.complete(request, body)
 
     @app.get("/health")
@@ -878,6 +883,10 @@ def _colocated(tiny_model_dir: Path, app_name: str) -> tuple[Any, FakeEngine, An
 
     @app.post("/v1/completions")
     async def comp(request: Request, body: CompletionRequest) -> Any:
+        return await core.complete(request, body)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request, body: ResponsesRequest) -> Any:
         return await core.complete(request, body)
 
     @app.get("/health")

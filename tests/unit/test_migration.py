@@ -357,3 +357,31 @@ def test_seam_text_replays_what_was_sent(tiny_model_dir: Path) -> None:
         assert seam.replayed == seq.text
         rest = "".join(seam.take(EngineChunk("?", (t,), None, 0, 0, 0.0)).text for t in ids[cut:])
         assert seq.text + rest == text
+
+
+def test_a_responses_stream_migrates_too(model: Any) -> None:
+    """``/v1/responses`` runs as a chat: its stream moves as a chat's does, and its events
+    read as an uninterrupted run's (the text, the final response's usage), no error."""
+    dec = model.dec
+    b = {"model": "test", "input": "hello", "max_output_tokens": 24, "temperature": 0}
+
+    def run() -> list[dict[str, Any]]:
+        r = model.post("/v1/responses", headers=auth(), json=b | {"stream": True})
+        assert r.status_code == 200, r.text
+        return [json.loads(ln[6:]) for ln in r.text.splitlines() if ln.startswith("data: ")]
+
+    def text(events: list[dict[str, Any]]) -> str:
+        return "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+
+    ref = run()
+    before = moves(model).get("replica_gone", {}).get("migrated", 0)
+    dec.dies_after = 7
+    got = run()
+    assert [e["type"] for e in got if e["type"] in ("error", "response.failed")] == []
+    assert text(got) == text(ref) and got[-1]["type"] == "response.completed"
+    assert got[-1]["response"]["usage"]["output_tokens"] == 24
+    assert got[-1]["response"]["output"] == [
+        {**item, "id": got[-1]["response"]["output"][0]["id"]}
+        for item in ref[-1]["response"]["output"]
+    ]
+    assert moves(model)["replica_gone"]["migrated"] == before + 1
