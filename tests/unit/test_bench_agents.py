@@ -1,6 +1,6 @@
 """``pdserve bench agents``'s pure parts: the seeded conversations grow as an agent's do, the
 client loop reads a stream's call and timing and sends it back, the per-turn summary's
-maths, the table and plot writers."""
+maths, the table and plot writers, and the command's refusals before anything comes up."""
 
 from __future__ import annotations
 
@@ -12,7 +12,9 @@ from typing import Any
 
 import httpx
 import pytest
+from typer.testing import CliRunner
 
+import pdserve.cli  # noqa: F401  (registers the commands)
 from bench.live.agents import (
     Turn,
     plot,
@@ -33,6 +35,7 @@ from bench.workloads.agents import (
     seeded_call,
     tool_result,
 )
+from pdserve.apps import app
 
 WORDS = [f" w{i}" for i in range(100)]
 
@@ -408,6 +411,36 @@ def test_the_plot_is_written(tmp_path: Path) -> None:
     out = tmp_path / "sub" / "agents.png"
     plot(_res(), out)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# -- the command refuses before bringing anything up ------------------------------------------
+
+runner = CliRunner()
+
+
+@pytest.mark.parametrize(
+    ("args", "names"),
+    [
+        (["--turns", "30"], "--turns"),  # 30 x (64 + 300 + 32) > 8192
+        (["--turns", "15", "--tool-tokens", "600"], "--turns"),
+        (["--systems", "prefix_load,nope"], "--systems"),
+        (["--preset", "huge"], "--preset"),
+        (["--agents", "0"], "--agents"),
+    ],
+)
+def test_bench_agents_refuses_bad_input_naming_the_option(args: list[str], names: str) -> None:
+    res = runner.invoke(app, ["bench", "agents", *args])
+    assert res.exit_code == 2, res.output
+    assert names in res.output
+
+
+def test_bench_agents_takes_a_run_that_fits_the_test_model() -> None:
+    from pdserve.commands.bench_agents import max_model_len
+
+    mix = AgentMix(turns=18)
+    assert max_model_len("test") == 8192 and max_model_len("bench") == 32768
+    assert positions_needed(mix, opening_bound(mix)) <= 8192  # the defaults, 18 turns
+    assert positions_needed(AgentMix(turns=19), opening_bound(mix)) > 8192
 
 
 def test_the_benchs_app_serves_tool_calls_at_the_presets_length() -> None:
