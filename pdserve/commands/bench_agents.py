@@ -26,7 +26,7 @@ def bench_agents(
     turns: int = typer.Option(8, "--turns", min=1, help="Turns per agent."),
     tool_tokens: int = typer.Option(300, "--tool-tokens", min=1, help="Tokens per tool result."),
     call_tokens: int = typer.Option(
-        64, "--call-tokens", min=16, help="max_tokens of each turn (the model's call)."
+        64, "--call-tokens", min=32, help="max_tokens of each turn (the model's call)."
     ),
     system_tokens: int = typer.Option(128, min=0, help="Tokens of the shared system prompt."),
     task_tokens: int = typer.Option(32, min=0, help="Tokens of each agent's own task."),
