@@ -28,6 +28,17 @@ Summaries per turn number: TTFT p50/p90, the cached-token ratio (cached / prompt
 overall: turns per second (answered turns over the run's wall time), TTFT, cached ratio, the
 share of answers that carried a call.
 
+What to read in it: the KV caches (1 GiB an engine) hold every agent's history many times
+over, so round-robin is cache-blind only until a replica has seen an agent: with two prefill
+replicas an agent's turn finds its history up to the last turn that replica served (two turns
+back when turns alternate), and misses it whole only on its first visit. Its per-turn cached
+ratio therefore trails ``prefix_load``'s by about one turn's growth (the call and its result)
+rather than falling to zero, and its TTFT is that many more prefill tokens a turn. With an
+even number of agents moving in lockstep, round-robin can even keep each agent on one
+replica by accident; the default of five agents avoids that. On the ``test`` model a
+4,096-token prefill is ~0.1 s, so the TTFT gap is tens of milliseconds against the ingress's
+own overhead; ``--preset bench`` makes prefill the cost.
+
 Runs a local Ray cluster in this process (or joins ``RAY_ADDRESS``); hold
 ``/tmp/pdserve-heavy.lock`` around it on a shared machine.
 """
