@@ -274,27 +274,3 @@ def plot(res: dict[str, Any], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def table(res: dict[str, Any]) -> str:
-    from pdserve.output import table as fmt
-
-    def ms(x: float | None) -> str:
-        return "-" if x is None else f"{x * 1e3:.0f}"
-
-    rows = [
-        [
-            r["variant"],
-            r["prompt_tokens"],
-            r["sent"],
-            f"{r['trials'] - r['failed']}/{r['trials']}",
-            ms(r["stall_s"]),
-            ms(r["itl_s"]),
-            "-" if r["stall_over_itl"] is None else f"{r['stall_over_itl']:.1f}",
-            ms(r.get("prefill_s")),
-            ms(r.get("first_token_s")),
-        ]
-        for r in res["rows"]
-    ]
-    head = ["variant", "prompt", "sent", "ok", "stall ms", "ITL ms", "stall / ITL"]
-    return fmt([*head, "prefill ms", "1st token ms"], rows)

@@ -3,7 +3,7 @@
 A prefill call runs one output token on the routed prefill replica (the NIXL producer) and
 is sent again (``ingress.replica_retries``) when its replica died; the decode stream pulls
 the KV and yields chunks, sent to another decode replica when its own died before the first
-chunk reached the client. Every call is bounded by the request's deadline and
+chunk reached the client (after it, the stream migrates: :mod:`.migration`). Every call is bounded by the request's deadline and
 ``ingress.engine_timeout_s``; a call left behind is cancelled (its engine aborts it). KV a
 prefill pinned for a decode that will never come is released at once
 (:meth:`HopsPhase.release_prefilled`) rather than at NIXL's lease.

@@ -259,9 +259,9 @@ class MigrationPhase(RoutePhase, HopsPhase):
                 raise engine_error("decode", prep, lost.error) from None
             loss = lost
         log.warning("decode replica lost mid-stream for %s (%s): migrating", prep.rid, loss.reason)
-        lost = next((s.replica for s in ledger.seqs if s.replica), None)
+        lost_on = next((s.replica for s in ledger.seqs if s.replica), None)
         for seq in ledger.open():  # a sequence that had not started was on that replica too
-            seq.replica = seq.replica or lost
+            seq.replica = seq.replica or lost_on
         moved = [self._moved(prep, seq, loss) for seq in ledger.open()]
         chunks = moved[0] if len(moved) == 1 else merge_streams([own_stream(m) for m in moved])
         async for ch in chunks:

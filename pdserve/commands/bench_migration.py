@@ -8,6 +8,7 @@ from typing import Any
 import typer
 
 from pdserve.apps import bench_app
+from pdserve.output import table as fmt
 
 
 def _ints(raw: str, hint: str) -> list[int]:
@@ -37,7 +38,7 @@ def migration(
     app twice on a local Ray cluster)."""
     from tqdm import tqdm
 
-    from bench.live.migration import AFTER, run, table
+    from bench.live.migration import AFTER, run
     from bench.live.migration import plot as plot_stall
     from pdserve.output import write_json
 
@@ -77,3 +78,25 @@ def migration(
             f"{failed} trials failed: {[t['error'] for t in res['trials'] if not t['ok']][:3]}"
         )
         raise typer.Exit(1)
+
+
+def table(res: dict[str, Any]) -> str:
+    def ms(x: float | None) -> str:
+        return "-" if x is None else f"{x * 1e3:.0f}"
+
+    rows = [
+        [
+            r["variant"],
+            r["prompt_tokens"],
+            r["sent"],
+            f"{r['trials'] - r['failed']}/{r['trials']}",
+            ms(r["stall_s"]),
+            ms(r["itl_s"]),
+            "-" if r["stall_over_itl"] is None else f"{r['stall_over_itl']:.1f}",
+            ms(r.get("prefill_s")),
+            ms(r.get("first_token_s")),
+        ]
+        for r in res["rows"]
+    ]
+    head = ["variant", "prompt", "sent", "ok", "stall ms", "ITL ms", "stall / ITL"]
+    return fmt([*head, "prefill ms", "1st token ms"], rows)
