@@ -35,7 +35,7 @@ from typing import Any
 
 import httpx
 
-from bench.live.routing import get_json, model_vocab, wait_gone
+from bench.live.routing import get_json, model_vocab, wait_gone, wait_ready
 
 APP = "pdmigrate"
 VARIANTS = ("prefill_cache", "recompute")
@@ -210,7 +210,7 @@ def run(
         args = app_args(variant, cache_dir)
         vocab = model_vocab(load_app_config(args).model.resolved_path())
         serve.run(build_app(args), name=APP, route_prefix="/", blocking=False)
-        wait_decode(url, 2)
+        wait_ready(url, 2, role="decode")
         for p in prompts:
             for s in sents:
                 for _ in range(repeats):
@@ -227,21 +227,6 @@ def run(
         "trials": [asdict(t) for t in trials],
         "rows": summarize(trials),
     }
-
-
-def wait_decode(url: str, replicas: int, timeout_s: float = 900) -> None:
-    """Until ``/health`` is ok and ``replicas`` decode replicas report."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if get_json(url, "/health")["status"] == "ok":
-                s = get_json(url, "/v1/pdserve/stats")
-                if sum(1 for r in s["replicas"]["decode"] if "requests" in r) >= replicas:
-                    return
-        except Exception:  # 503 while the engines start
-            pass
-        time.sleep(1.0)  # polling a starting server
-    raise TimeoutError(f"the app at {url} did not become ready in {timeout_s:.0f} s")
 
 
 def plot(res: dict[str, Any], path: Path) -> None:

@@ -147,13 +147,14 @@ def reset_stats(url: str) -> dict[str, Any]:
     return dict(r.json())
 
 
-def wait_ready(url: str, replicas: int, timeout_s: float = 900) -> None:
+def wait_ready(url: str, replicas: int, timeout_s: float = 900, role: str = "prefill") -> None:
+    """Until ``/health`` is ok and ``replicas`` replicas of ``role`` report."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
             if get_json(url, "/health")["status"] == "ok":
                 s = get_json(url, "/v1/pdserve/stats")
-                if sum(1 for r in s["replicas"]["prefill"] if "requests" in r) >= replicas:
+                if sum(1 for r in s["replicas"][role] if "requests" in r) >= replicas:
                     return
         except Exception:  # 503 while the engines start
             pass

@@ -29,34 +29,27 @@ BLOCK = 128
 #: sampled, the call's next real token soon wins
 SAMPLED: dict[str, Any] = {"max_tokens": 512, "temperature": 1.0, "seed": 1}
 CITIES = ["Paris", "Oslo", "Lima"]
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "enum": CITIES}},
-            "required": ["city"],
-            "additionalProperties": False,
+
+
+def city_tool(name: str, what: str) -> dict[str, Any]:
+    """A strict function tool whose one argument is a city of :data:`CITIES`."""
+    return {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": f"The {what} in a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "enum": CITIES}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+            "strict": True,
         },
-        "strict": True,
-    },
-}
-TIME = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "description": "The time in a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "enum": CITIES}},
-            "required": ["city"],
-            "additionalProperties": False,
-        },
-        "strict": True,
-    },
-}
+    }
+
+
+WEATHER, TIME = city_tool("get_weather", "weather"), city_tool("get_time", "time")
 
 
 def agent_args(model_dir: Path, cache_dir: Path) -> dict[str, Any]:
