@@ -532,7 +532,7 @@ def test_a_decode_replica_killed_mid_stream_loses_no_stream(faults: dict[str, An
     and their stalls reported (the note's table)."""
     tally = REPORT.setdefault("decode_killed_mid_stream", Tally())
     wait_until(lambda: full(faults), "two decode replicas", 240)
-    n_tok = 800
+    n_tok = 400
     use = {"stream_options": {"include_usage": True}}
 
     def greedy(i: int, **kw: Any) -> dict[str, Any]:
