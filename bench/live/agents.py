@@ -458,9 +458,7 @@ def run(
     system that fails is reported as failed and the others go on. ``build_app``: pdserve's
     application builder (``deployments.app:build_app``), handed in by the caller; the model
     must be built (``words`` come from its tokenizer)."""
-    import os
 
-    import ray
     from ray import serve
 
     from bench.live.compare import (
@@ -470,7 +468,7 @@ def run(
         first_token,
         peer_prefix_counts,
     )
-    from bench.live.routing import get_json, wait_gone, wait_ready
+    from bench.live.routing import get_json, serve_locally, wait_gone, wait_ready
     from deployments.config import load_app_config
     from deployments.local import local_env
 
@@ -479,19 +477,7 @@ def run(
     metrics_port = _free_port()
     while metrics_port in RAY_DEFAULT_PORTS:
         metrics_port = _free_port()
-    if not ray.is_initialized():
-        if os.environ.get("RAY_ADDRESS"):
-            ray.init(log_to_driver=False)
-        else:
-            ray.init(
-                address="local",
-                num_cpus=8,
-                include_dashboard=False,
-                log_to_driver=False,
-                _metrics_export_port=metrics_port,  # the peer's vLLM counters
-            )
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    url = f"http://127.0.0.1:{port}"
+    url = serve_locally(port, _metrics_export_port=metrics_port)  # the peer's vLLM counters
     out: dict[str, Any] = {
         "kind": "live",
         "mix": asdict(mix),

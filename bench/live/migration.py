@@ -35,7 +35,7 @@ from typing import Any
 
 import httpx
 
-from bench.live.routing import get_json, model_vocab, wait_gone, wait_ready
+from bench.live.routing import get_json, model_vocab, serve_locally, wait_gone, wait_ready
 
 APP = "pdmigrate"
 VARIANTS = ("prefill_cache", "recompute")
@@ -189,20 +189,12 @@ def run(
     progress: Callable[[int], Callable[[], None]] | None = None,
 ) -> dict[str, Any]:
     """Every variant's trials (see the module docstring) and their summary."""
-    import os
 
-    import ray
     from ray import serve
 
     from deployments.config import load_app_config
 
-    if not ray.is_initialized():
-        if os.environ.get("RAY_ADDRESS"):
-            ray.init(log_to_driver=False)
-        else:
-            ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    url = f"http://127.0.0.1:{port}"
+    url = serve_locally(port)
     rng = random.Random(0)
     trials: list[Trial] = []
     tick = progress(len(variants) * len(prompts) * len(sents) * repeats) if progress else None

@@ -130,6 +130,29 @@ async def closed_loop(
     return out
 
 
+def serve_locally(port: int, **init: Any) -> str:
+    """Serve on ``127.0.0.1:port`` over a Ray cluster: the one ``RAY_ADDRESS`` names, else a
+    local head of this process (``init``: more of ``ray.init``'s arguments); its URL."""
+    import os
+
+    import ray
+    from ray import serve
+
+    if not ray.is_initialized():
+        if os.environ.get("RAY_ADDRESS"):
+            ray.init(log_to_driver=False)
+        else:
+            ray.init(
+                address="local",
+                num_cpus=8,
+                include_dashboard=False,
+                log_to_driver=False,
+                **init,
+            )
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    return f"http://127.0.0.1:{port}"
+
+
 def get_json(url: str, path: str) -> dict[str, Any]:
     import httpx
 
@@ -200,21 +223,13 @@ def run(
     ``build_app`` is the application builder a Serve config names (``import_path:
     deployments.app:build_app``), handed in by the caller, so that the benchmark reaches the
     app only through it, its config and its HTTP routes."""
-    import os
 
-    import ray
     from ray import serve
 
     from deployments.config import load_app_config
 
     cfg = load_app_config(app_args)
-    if not ray.is_initialized():
-        if os.environ.get("RAY_ADDRESS"):
-            ray.init(log_to_driver=False)
-        else:
-            ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    url = f"http://127.0.0.1:{port}"
+    url = serve_locally(port)
     out: dict[str, Any] = {
         "mix": asdict(mix),
         "prefill_replicas": cfg.prefill.num_replicas,

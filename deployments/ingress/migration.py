@@ -351,7 +351,7 @@ class MigrationPhase(RoutePhase, HopsPhase):
             prep,
             ids=ids,
             sampling=continuation_sampling(prep.sampling, seq),
-            hashes=self.index.hashes(ids, prep.salt),
+            hashes={},  # hashed only when it is routed by the index (_continuation_prefill)
             engine_rid=rid,
             echo=None,
             echo_only=False,
@@ -364,9 +364,12 @@ class MigrationPhase(RoutePhase, HopsPhase):
         its decode replica (:meth:`placement`) or no prefill replica is up; a prefill that
         fails then is computed by the decode replica instead (past the deadline: 504)."""
         where = self.placement(cont)
-        if where == "colocated":  # the engine that holds the prefix, by the index
+        routed = where == "colocated" or (where == "pd" and self._prefill_up())
+        if routed:  # the prompt's blocks, for the index (colocated: the engine holding them)
+            cont = replace(cont, hashes=self.index.hashes(cont.ids, cont.salt))
+        if where == "colocated":
             await self.route(cont)
-        if where != "pd" or not self._prefill_up():
+        if not routed or where != "pd":
             return local_prefill(cont)
         hint = await self.route(cont)
         try:
