@@ -149,7 +149,8 @@ def serve_locally(port: int, **init: Any) -> str:
                 log_to_driver=False,
                 **init,
             )
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    # on the head only: worker nodes on this machine (bench multinode) share its 127.0.0.1
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     return f"http://127.0.0.1:{port}"
 
 

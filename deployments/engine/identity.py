@@ -68,6 +68,16 @@ def serve_identity() -> tuple[str, int, str]:
         return f"local-{os.getpid()}", 0, "pdserve"
 
 
+def node_id() -> str | None:
+    """The Ray node this process runs on (its hex id), or None outside Ray."""
+    try:
+        import ray
+
+        return str(ray.get_runtime_context().get_node_id())
+    except Exception:  # no Ray: a single machine
+        return None
+
+
 def node_ip() -> str:
     try:
         import ray.util

@@ -17,7 +17,7 @@ from typing import Any
 from deployments.config import AppConfig, Role, engine_launch, replica_ports
 from deployments.engine.counters import EngineCounters, make_counter_logger, vllm_metrics_loggers
 from deployments.engine.faults import Faults
-from deployments.engine.identity import free_port, node_ip, serve_identity
+from deployments.engine.identity import free_port, node_id, node_ip, serve_identity
 from deployments.engine.index_writer import IndexWriter
 from deployments.engine.reports import Reports
 from deployments.protocol import EngineRequest, Sampling
@@ -47,7 +47,8 @@ class EngineReplica(Reports, Faults):
         self.role = role
         self.replica_id, rank, self.app_name = serve_identity()
         taken: set[int] = set()
-        self.ports = replica_ports(self.cfg, role, rank, node_ip(), lambda: free_port(taken))
+        self.node_ip, self.node_id = node_ip(), node_id()
+        self.ports = replica_ports(self.cfg, role, rank, self.node_ip, lambda: free_port(taken))
         self.counters = EngineCounters()
         self.metrics = metrics()
         self.tracer = tracer(self.cfg.observability.tracing.model_dump(), role)

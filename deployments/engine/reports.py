@@ -54,6 +54,8 @@ class Reports(Health, LiveConfig):
             "wedged": self.wedged() is not None,
             "role": self.role,
             "replica_id": self.replica_id,
+            "node_ip": self.node_ip,  # the Ray node it runs on (pdserve status shows it)
+            "node_id": self.node_id,
             "kv_events": self.index_writer.endpoints(p.host)[0],
             "kv_replay": self.index_writer.endpoints(p.host)[1],
             "kv_topic": self.cfg.engine(self.role).kv_events.topic,

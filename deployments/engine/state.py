@@ -25,6 +25,9 @@ class ReplicaState:
     role: Role
     replica_id: str
     app_name: str
+    #: the Ray node it runs on: its address and hex id (None outside Ray)
+    node_ip: str
+    node_id: str | None
     ports: ReplicaPorts
     #: ``in_process`` or ``async_llm`` (:mod:`engines.runtime`)
     runtime: str

@@ -137,6 +137,8 @@ _REPORT_KEYS = (
     "wedged",
     "runtime",
     "pid",
+    "node_ip",
+    "node_id",
     "loop_lag",
     "rss_mb",
 )

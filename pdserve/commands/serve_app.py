@@ -5,7 +5,10 @@ it down.
 points at this machine and none answers there, starts a local Ray head (``--num-cpus=8``, no
 dashboard, ``RAY_AUTH_MODE`` explicit, its processes on jemalloc: ``--allocator``,
 ``deployments/local.py``) unless one is running, runs ``serve run --non-blocking
-CONFIG`` and waits for ``/health`` (readiness: both engines serve). ``down`` shuts Serve down
+CONFIG`` and waits for ``/health`` (readiness: both engines serve). ``--nodes
+prefill=2,decode=1,ingress=1`` also joins worker nodes to that head, each on a loopback address
+of its own and advertising its role's resource (:mod:`deployments.local_nodes`;
+``configs/pd_multinode.yaml`` pins each role to them). ``down`` shuts Serve down
 and stops the Ray cluster and the redis-server ``up`` started (``--keep-ray`` leaves both). Environment overrides
 (``PDSERVE_MODEL``, ``PDSERVE_API_KEYS``, ``PDSERVE_CACHE_DIR``) are passed to the cluster, which
 is where the application is built.
@@ -80,6 +83,15 @@ def up(
         "proxy's freed memory: 18% growth under the soak) or system. A running head keeps "
         "its own.",
     ),
+    nodes: str = typer.Option(
+        None,
+        help="Also start local worker nodes, e.g. prefill=2,decode=1,ingress=1: each a raylet "
+        "on its own loopback address (127.0.0.2, ...) advertising pdserve_<role> "
+        "(configs/pd_multinode.yaml pins the roles to them). pdserve down stops them.",
+    ),
+    node_slots: int = typer.Option(
+        2, min=1, max=64, help="Replicas of its role each --nodes node can host."
+    ),
     insecure: bool = typer.Option(
         False,
         "--insecure",
@@ -110,6 +122,12 @@ def up(
         head_env = with_allocator(_env(insecure), allocator)
     except (ValueError, FileNotFoundError) as e:
         raise typer.BadParameter(str(e), param_hint="--allocator") from e
+    from deployments.local_nodes import parse_nodes
+
+    try:
+        node_specs = parse_nodes(nodes, node_slots) if nodes else []
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--nodes") from None
     raw = yaml.safe_load(config.read_text())
     for a in raw.get("applications", []):
         cfg = load_app_config(a.get("args") or {})  # validates
@@ -146,6 +164,8 @@ def up(
             check=True,
             timeout=120,
         )
+    if node_specs:
+        _start_nodes(node_specs, head_env)
     typer.echo(f"pdserve: serve run --non-blocking {config}")
     subprocess.run(
         [_bin("serve"), "run", "--non-blocking", str(config)], env=env, check=True, timeout=300
@@ -153,6 +173,30 @@ def up(
     url = _http_url(raw)
     health = _wait_health(url, timeout_s)
     typer.echo(f"pdserve: ready at {url}  {health}")
+
+
+def _start_nodes(specs: list[Any], env: dict[str, str]) -> None:
+    """Join ``specs``' worker nodes to the local head (those whose raylet already runs are
+    kept as they are)."""
+    from ray._private.services import canonicalize_bootstrap_address_or_die
+
+    from deployments.local_nodes import raylet_of, start_nodes
+
+    gcs = canonicalize_bootstrap_address_or_die("auto")
+    todo = []
+    for spec in specs:
+        if raylet_of(spec.ip) is not None:
+            typer.echo(f"pdserve: node {spec.name} ({spec.ip}) is already running")
+            continue
+        typer.echo(
+            f"pdserve: starting node {spec.name} at {spec.ip} "
+            f"({spec.num_cpus} CPUs, {spec.resources})"
+        )
+        todo.append(spec)
+    try:
+        start_nodes(todo, gcs, env, _bin("ray"))
+    except RuntimeError as e:
+        raise typer.Exit(_fail(str(e))) from None
 
 
 def _port_or_free(port: int) -> int:
@@ -234,7 +278,8 @@ def _local_redis_users(users: Any, workdir: Path) -> Path:
 def down(
     keep_ray: bool = typer.Option(False, help="Only shut Serve down; leave Ray running."),
 ) -> None:
-    """Shut the app down and stop the local Ray cluster (everything ``up`` started)."""
+    """Shut the app down and stop the local Ray cluster (everything ``up`` started, the
+    ``--nodes`` worker nodes included: ``ray stop`` stops every Ray node of this machine)."""
     env = _env()
     if _ray_running(env):
         code = (

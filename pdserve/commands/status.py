@@ -1,6 +1,6 @@
 """``pdserve status``: a terminal view of a running app, read from its ``/v1/pdserve/stats``.
 
-Per role, each replica (Serve's replica id) with the requests routed to it, its queue (waiting,
+Per role, each replica (Serve's replica id) with the Ray node it runs on (its address), the requests routed to it, its queue (waiting,
 running, uncached prompt tokens), KV usage, TWP window and load (decode), prompt and cached
 tokens and NIXL hits;
 then the routers' named fallbacks, the index and the ingress's overhead. ``--watch`` redraws
@@ -53,13 +53,14 @@ def render(stats: dict[str, Any]) -> Any:
             pad_edge=False,
         )
         for col in (
-            "replica", "routed", "wait", "run", "uncached", "KV",
+            "replica", "node", "routed", "wait", "run", "uncached", "KV",
             "window", "load", "prompt", "cached", "NIXL",
         ):  # fmt: skip
             t.add_column(col, justify="left" if col == "replica" else "right", no_wrap=True)
         for r in stats.get("replicas", {}).get(role, []):
             t.add_row(
                 str(r.get("id", "?")),
+                str(r.get("node_ip") or "-"),
                 _num(r.get("routed")),
                 _num(r.get("waiting")),
                 _num(r.get("running")),

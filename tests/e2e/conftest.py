@@ -166,11 +166,13 @@ def only_app(name: str) -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def serve_url(ray_cluster: dict[str, Any]) -> Iterator[str]:
-    """Serve's HTTP proxy on a free port, started once; apps come and go under it."""
+    """Serve's HTTP proxy on a free port, started once on the head only (the multi-node tests'
+    worker nodes share this machine's 127.0.0.1, where a proxy of theirs could not bind the
+    port); apps come and go under it."""
     from ray import serve
 
     port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     yield f"http://127.0.0.1:{port}"
 
 

@@ -19,7 +19,7 @@ from deployments.config import (
 from engines.launch import engine_args, launch_env
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIGS = ["pd_default.yaml", "pd_cluster.yaml", "pd_autoscale.yaml"]
+CONFIGS = ["pd_default.yaml", "pd_cluster.yaml", "pd_autoscale.yaml", "pd_multinode.yaml"]
 
 
 def _ports(start: int = 40000):  # type: ignore[no-untyped-def]

@@ -86,7 +86,9 @@ def test_status_renders_a_stats_body() -> None:
 
     body = {
         "replicas": {
-            "prefill": [{"id": "p-1", "routed": 3, "waiting": 1, "kv_usage": 0.25}],
+            "prefill": [
+                {"id": "p-1", "node_ip": "127.0.0.2", "routed": 3, "waiting": 1, "kv_usage": 0.25}
+            ],
             "decode": [{"id": "d-1", "routed": 3, "window_tokens": 4096, "token_load": 100}],
         },
         "totals": {"prefill": {"prompt_tokens": 400, "cached_tokens": 100}},
@@ -97,7 +99,7 @@ def test_status_renders_a_stats_body() -> None:
     con = Console(record=True, width=160)
     con.print(render(body))
     text = con.export_text()
-    for want in ("p-1", "d-1", "25%", "4,096", "hotspot=2", "25.0%", "prefix_load"):
+    for want in ("p-1", "127.0.0.2", "d-1", "25%", "4,096", "hotspot=2", "25.0%", "prefix_load"):
         assert want in text, want
 
 
