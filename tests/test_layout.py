@@ -70,6 +70,9 @@ BENCH_MAY_IMPORT_FROM_DEPLOYMENTS = {
     # the environment of a local Ray head (allocator, auth): ``bench compare`` starts heads
     # as ``pdserve up`` does
     "deployments.local",
+    # local worker nodes with a role's resource: ``bench multinode`` joins them as ``pdserve
+    # up --nodes`` does
+    "deployments.local_nodes",
 }
 SERVING_STACK = {"ray", "fastapi", "starlette", "uvicorn"}
 
