@@ -1,0 +1,228 @@
+"""SLO sizing of the autoscaler (controllers.slo_sizing, autoscaling.slo): worked examples.
+
+Every number below is computed by hand in the comments (Erlang B by its recursion
+``B(k) = a B(k-1) / (k + a B(k-1))``, ``C = n B / (n - a (1 - B))``), so a wrong formula fails.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from pydantic import ValidationError
+
+from controllers.autoscale import (
+    AutoscaleConfig,
+    AutoscaleState,
+    RoleBounds,
+    RoleDemand,
+    decide,
+)
+from controllers.profile import DecodeProfile
+from controllers.slo_sizing import (
+    FORECAST_WINDOW_S,
+    SloConfig,
+    erlang_c,
+    forecast,
+    max_batch,
+    prefill_replicas,
+    prefill_ttft_p99,
+)
+
+STEP = DecodeProfile(l_min_s=0.024, b0=32, alpha_s=0.0004)  # the A6000 8B profile's curve
+
+
+def slo_cfg(**slo: float) -> AutoscaleConfig:
+    targets = {"ttft_p99_s": 3.0, "itl_p99_s": 0.05, "max_cold_fraction": 0.03} | slo
+    return AutoscaleConfig(
+        enabled=True,
+        prefill=RoleBounds(min_replicas=0, max_replicas=16),
+        decode=RoleBounds(min_replicas=0, max_replicas=16),
+        prefill_tokens_per_s=1000.0,
+        expected_prompt_tokens=1000,
+        cold_start_s=5.0,
+        slo=SloConfig(**targets, decode_step=STEP),  # type: ignore[arg-type]
+    )
+
+
+def test_erlang_c_worked_values() -> None:
+    # M/M/1: P(wait) = rho; M/M/2 at a = 1: B(1) = 1/2, B(2) = 0.5/2.5 = 0.2,
+    # C = 2 * 0.2 / (2 - 0.8) = 1/3
+    assert erlang_c(1, 0.5) == pytest.approx(0.5)
+    assert erlang_c(2, 1.0) == pytest.approx(1 / 3)
+    assert erlang_c(2, 2.0) == 1.0 and erlang_c(3, 0.0) == 0.0
+
+
+def test_prefill_ttft_p99_worked_example_picks_the_smallest_pool_within_target() -> None:
+    # mu 1,000 tok/s, lam 1,500 tok/s, Poisson arrivals of exponential prompts of mean 1,000
+    # (dispersion D = 2 m = 2,000, D/2 = 1,000), p99 prompt 2,000 tokens (2 s of prefill).
+    # n = 3: B(1) = 0.6, B(2) = 0.9/2.9 = 0.31034, B(3) = 0.46552/3.46552 = 0.13433,
+    #   C = 0.40299 / (3 - 1.29851) = 0.23684; wait99 = ln(23.684) * 1000 / 1500 = 2.110 s;
+    #   TTFT99 = 2.110 + 2 = 4.110 s
+    # n = 4: B(4) = 0.20149/4.20149 = 0.047957, C = 0.19183 / 2.57194 = 0.074585;
+    #   wait99 = ln(7.4585) * 1000 / 2500 = 0.8037 s; TTFT99 = 2.804 s
+    # n = 5: B(5) = 0.014183, C = 0.020139; wait99 = ln(2.0139) * 1000 / 3500 = 0.2000 s;
+    #   TTFT99 = 2.200 s
+    args = dict(lam=1500.0, mu=1000.0, dispersion=2000.0, backlog=0.0, prompt_p99=2000.0)
+    assert prefill_ttft_p99(3, l_min=0.0, **args) == pytest.approx(4.110, abs=1e-3)
+    assert prefill_ttft_p99(4, l_min=0.0, **args) == pytest.approx(2.804, abs=1e-3)
+    assert prefill_ttft_p99(5, l_min=0.0, **args) == pytest.approx(2.200, abs=1e-3)
+    assert prefill_ttft_p99(1, l_min=0.0, **args) == math.inf  # lam >= n mu
+    assert prefill_replicas(ttft_p99_s=3.0, max_replicas=8, l_min=0.0, **args) == (4, True)
+    assert prefill_replicas(ttft_p99_s=2.7, max_replicas=8, l_min=0.0, **args) == (5, True)
+    # a backlog of 8,000 tokens adds 8000 / (n mu): 2 s at n = 4 -> 4.804 s, 1.6 s at n = 5
+    # -> 3.8 s, 1.333 s at n = 6 (C = 0.0047 < 0.01: no tail) -> 3.333 s, 1.143 s at 7 -> 3.143
+    # s, 1 s at 8 -> 3.0 s: 8
+    backlogged = args | {"backlog": 8000.0}
+    assert prefill_replicas(ttft_p99_s=3.0, max_replicas=16, l_min=0.0, **backlogged) == (8, True)
+    # a target below the p99 prompt's own prefill cannot be met by replicas: flagged, and
+    # sized for a wait99 below one prefill (target 2 x 2 s = 4 s: n = 3's 4.110 s is over)
+    assert prefill_replicas(ttft_p99_s=1.5, max_replicas=8, l_min=0.0, **args) == (4, False)
+    # no load, no backlog: none
+    assert prefill_replicas(0.0, 1000.0, 2000.0, 0.0, 2000.0, 0.0, 3.0, 8) == (0, True)
+
+
+def test_max_batch_from_the_step_curve() -> None:
+    # l(b) = 0.024 + 0.0004 (b - 32): within 50 ms up to b = 32 + 0.026 / 0.0004 = 97
+    assert max_batch(STEP, 0.05) == (97, True)
+    assert STEP.step_latency_s(97) <= 0.05 < STEP.step_latency_s(98)
+    assert max_batch(STEP, 0.02) == (32, False)  # below l_min: infeasible
+
+
+def test_forecast_level_spread_and_upper_quantile() -> None:
+    # windows alternating 1,000 and 3,000 tok/s: mean 2,000, sample variance
+    # 12 * 1000^2 / 11 = 1.0909e6 (sigma 1044.5), dispersion 1.0909e6 * 5 / 2000 = 2727.3
+    f = forecast((1000.0, 3000.0) * 6, ewma=0.0, min_dispersion=1000.0)
+    assert f.rate == pytest.approx(2000.0)
+    assert f.sigma == pytest.approx(1044.466, abs=1e-3)
+    assert f.dispersion == pytest.approx(2727.27, abs=0.01)
+    # z(0.97) = 1.8808; horizon 5 s = one window: 2000 + 1.8808 * 1044.5 = 3964.4
+    assert f.upper(5.0, 0.03) == pytest.approx(3964.42, abs=0.05)
+    # a 20 s horizon averages 4 windows: sigma / 2
+    assert f.upper(20.0, 0.03) == pytest.approx(2000 + 1.8808 * 1044.466 / 2, abs=0.05)
+    # a rise shows in the recent level at once; the dispersion has its floor
+    rising = forecast((1000.0,) * 10 + (5000.0, 5000.0), ewma=0.0, min_dispersion=1000.0)
+    assert rising.rate == pytest.approx(5000.0)
+    flat = forecast((1000.0,) * 12, ewma=0.0, min_dispersion=1000.0)
+    assert flat.sigma == 0.0 and flat.dispersion == 1000.0
+
+
+def test_decide_sizes_decode_for_the_itl_target_and_names_it() -> None:
+    # no forecast windows yet: lam_hi = lam, so the cold budget adds nothing.
+    # 200 sequences at b* = 97 per replica: ceil(200 / 97) = 3 (slo_itl); the window's
+    # 10,000 / 16,384 -> 1 and KV 1,000 / (12,160 * 0.9) -> 1 do not bind
+    cfg = slo_cfg()
+    demand = {
+        "prefill": RoleDemand(1, 1, ongoing=1, tokens_per_s=1000.0),
+        "decode": RoleDemand(
+            1,
+            1,
+            ongoing=200,
+            token_load=10000,
+            window_tokens=16384,
+            used_kv_blocks=1000,
+            kv_blocks_per_replica=12160,
+        ),
+    }
+    _, out = decide(AutoscaleState(), demand, cfg, now=0.0)
+    assert (out["decode"].replicas, out["decode"].reason) == (3, "slo_itl")
+    # KV nearly full binds instead: 40,000 / (12,160 * 0.9) = 3.65 -> 4 over slo_itl's 3
+    kv = {
+        **demand,
+        "decode": RoleDemand(1, 1, ongoing=200, used_kv_blocks=40000, kv_blocks_per_replica=12160),
+    }
+    _, out = decide(AutoscaleState(), kv, cfg, now=0.0)
+    assert (out["decode"].replicas, out["decode"].reason) == (4, "kv")
+    # an ITL target below l_min (24 ms) is infeasible: b0 = 32 per replica, ceil(200/32) = 7
+    _, out = decide(AutoscaleState(), demand, slo_cfg(itl_p99_s=0.02), now=0.0)
+    assert (out["decode"].replicas, out["decode"].reason) == (7, "slo_itl_infeasible")
+
+
+def test_decide_keeps_the_warm_pool_the_cold_budget_needs() -> None:
+    # the forecast of test_forecast_level_spread_and_upper_quantile (lam 2,000, lam_hi 3,964.4
+    # at C = 5 s, D = 2,727.3 so D/2 = 1,363.6), mu 1,000, p99 prompt 1,000 (1 s), one decode
+    # step l_min = 0.024 s, target 3 s.
+    # At lam: n = 3: a = 2, B(3) = 0.21053, C = 0.44444, wait99 = ln(44.44) * 1363.6 / 1000
+    #   = 5.174 s -> 6.20 s; n = 4: B(4) = 0.095238, C = 0.17391, wait99 = ln(17.39) * 1363.6
+    #   / 2000 = 1.947 s -> 2.971 s <= 3: 4 replicas would meet the TTFT target at the mean.
+    # At lam_hi (a = 3.964): 6 -> 3.25 s, 7 -> 2.18 s: 7, so 3 warm replicas for the budget.
+    # Decode: 150 sequences, b* = 97: 2 for the ITL; scaled by lam_hi / lam = 1.9822:
+    #   297.3 / 97 = 3.07 -> 4: cold_budget.
+    cfg = slo_cfg()
+    state = AutoscaleState(windows=(1000.0, 3000.0) * 6, window_start=(100.0, 5000.0))
+    demand = {
+        "prefill": RoleDemand(
+            4,
+            4,
+            ongoing=3,
+            tokens_per_s=1000.0,
+            uncached_tokens_total=5000.0,
+            prompt_tokens_p99=1000,
+        ),
+        "decode": RoleDemand(2, 2, ongoing=150),
+    }
+    _, out = decide(state, demand, cfg, now=100.5)
+    assert (out["prefill"].replicas, out["prefill"].reason) == (7, "cold_budget")
+    assert out["prefill"].need == pytest.approx(3.964, abs=1e-3)
+    assert (out["decode"].replicas, out["decode"].reason) == (4, "cold_budget")
+    # a looser budget (20%: z = 0.8416 -> lam_hi = 2879) keeps fewer: 5 prefill replicas
+    loose = slo_cfg(max_cold_fraction=0.2)
+    _, out = decide(state, demand, loose, now=100.5)
+    assert (out["prefill"].replicas, out["prefill"].reason) == (5, "cold_budget")
+
+
+def test_windows_are_counted_from_the_cumulative_inflow() -> None:
+    cfg = slo_cfg()
+    state = AutoscaleState()
+    total = 0.0
+    for t in range(0, 16):  # 1,000 tok/s for 15 s, one call a second
+        d = RoleDemand(1, 1, ongoing=1, uncached_tokens_total=total)
+        state, _ = decide(state, {"prefill": d}, cfg, now=float(t), paired=False)
+        total += 1000.0
+    assert state.windows == pytest.approx((1000.0, 1000.0, 1000.0))
+    assert state.window_start == (15.0, 15000.0)
+    # a gap of 12 s between calls is two windows at the gap's mean rate
+    d = RoleDemand(1, 1, ongoing=1, uncached_tokens_total=15000.0 + 12 * 500.0)
+    state, _ = decide(state, {"prefill": d}, cfg, now=27.0, paired=False)
+    assert state.windows[-2:] == pytest.approx((500.0, 500.0))
+    assert FORECAST_WINDOW_S == 5.0
+
+
+def test_the_slo_path_scales_down_after_one_cold_start_not_downscale_delay_s() -> None:
+    cfg = slo_cfg().model_copy(update={"downscale_delay_s": 600.0})
+    quiet = {
+        "prefill": RoleDemand(4, 4, ongoing=1, tokens_per_s=1000.0),
+        "decode": RoleDemand(2, 2, ongoing=1),
+    }
+    state, out = decide(AutoscaleState(), quiet, cfg, now=0.0)
+    assert out["prefill"].reason == "hold_downscale"
+    _, out = decide(state, quiet, cfg, now=5.0)  # cold start 5 s
+    assert out["prefill"].replicas == 1 and out["decode"].replicas == 1
+
+
+def test_without_slo_the_state_keeps_no_windows() -> None:
+    cfg = slo_cfg().model_copy(update={"slo": None})
+    d = RoleDemand(1, 1, ongoing=1, uncached_tokens_total=0.0)
+    state, _ = decide(AutoscaleState(), {"prefill": d}, cfg, now=0.0, paired=False)
+    d = RoleDemand(1, 1, ongoing=1, uncached_tokens_total=50000.0)
+    state, out = decide(state, {"prefill": d}, cfg, now=10.0, paired=False)
+    assert state.windows == () and state.window_start is None
+    assert out["prefill"].reason == "demand"
+
+
+@pytest.mark.parametrize(
+    ("slo", "field"),
+    [
+        ({"ttft_p99_s": 0, "itl_p99_s": 0.05}, "ttft_p99_s"),
+        ({"ttft_p99_s": 2.0, "itl_p99_s": -1}, "itl_p99_s"),
+        ({"ttft_p99_s": 2.0, "itl_p99_s": 0.05, "max_cold_fraction": 1.5}, "max_cold_fraction"),
+        ({"ttft_p99_s": 2.0, "itl_p99_s": 0.05, "max_cold_fraction": 0}, "max_cold_fraction"),
+        ({"itl_p99_s": 0.05}, "ttft_p99_s"),
+        ({"ttft_p99_s": 2.0, "itl_p99_s": 0.05, "p95": 1}, "p95"),
+        ({"ttft_p99_s": 2.0, "itl_p99_s": 0.05, "decode_step": {"l_min_s": 0}}, "decode_step"),
+    ],
+)
+def test_bad_slo_values_are_refused_naming_the_field(slo: dict[str, object], field: str) -> None:
+    with pytest.raises(ValidationError, match=field) as e:
+        AutoscaleConfig.model_validate({"slo": slo})
+    assert any(err["loc"][0] == "slo" for err in e.value.errors())
