@@ -203,6 +203,8 @@ class RoleDemand:
     """Decode: KV blocks of one replica."""
     prompt_tokens_p99: float | None = None
     """Prefill: p99 of recent prompts' uncached tokens, when reported (SLO sizing)."""
+    prompt_tokens_mean: float | None = None
+    """Prefill: mean of recent prompts' uncached tokens, when reported (SLO sizing)."""
 
 
 @dataclass(frozen=True)
@@ -326,15 +328,6 @@ def _observe_windows(state: AutoscaleState, d: RoleDemand, now: float) -> Autosc
     return replace(state, windows=windows, window_start=(now, float(total)))
 
 
-def _partial_rate(state: AutoscaleState, d: RoleDemand | None, now: float) -> float | None:
-    if d is None or d.uncached_tokens_total is None or state.window_start is None:
-        return None
-    dt = now - state.window_start[0]
-    if dt < INFLOW_MIN_INTERVAL_S:
-        return None
-    return max(0.0, (d.uncached_tokens_total - state.window_start[1]) / dt)
-
-
 def slo_sizes(
     state: AutoscaleState,
     demand: dict[str, RoleDemand],
@@ -348,12 +341,7 @@ def slo_sizes(
     slo = cfg.slo
     assert slo is not None
     pre = demand.get("prefill")
-    fc = forecast(
-        state.windows,
-        state.inflow_tokens_per_s,
-        float(cfg.expected_prompt_tokens),
-        _partial_rate(state, pre, now),
-    )
+    fc = forecast(state.windows, state.inflow_tokens_per_s, float(cfg.expected_prompt_tokens))
     hi = fc.upper(cold_start_s, slo.max_cold_fraction)
     l_min = slo.decode_step.l_min_s if slo.decode_step is not None else 0.0
     out: dict[str, SloSizing] = {}
@@ -364,12 +352,13 @@ def slo_sizes(
             else cfg.prefill_tokens_per_s
         )
         backlog = pre.queued_uncached_tokens + pre.handle_queued * cfg.expected_prompt_tokens
-        p99 = pre.prompt_tokens_p99 or float(cfg.expected_prompt_tokens)
+        mean = pre.prompt_tokens_mean or float(cfg.expected_prompt_tokens)
+        p99 = pre.prompt_tokens_p99 or math.log(100.0) * mean
         cap = cfg.prefill.max_replicas
 
         def n_at(lam: float) -> tuple[int, bool]:
             return prefill_replicas(
-                lam, mu, fc.dispersion, backlog, p99, l_min, slo.ttft_p99_s, cap
+                lam, mu, fc.dispersion, backlog, mean, p99, l_min, slo.ttft_p99_s, cap
             )
 
         base, ok = n_at(fc.rate)

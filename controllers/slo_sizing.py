@@ -24,15 +24,24 @@ the last two minutes is what any of them would say, and it has nothing to fit or
 tokens/s (offered load ``a = lam / mu``). The wait's p99 is Erlang C's exponential tail with
 the Allen-Cunneen/Kingman correction for burstiness::
 
-    wait99(n) = max(0, ln(C(n, a) / 0.01)) * (D / 2) / (n mu - lam)
+    W99(n) = max(0, ln(C(n, a) / 0.01)) * (D / 2) / (n mu - lam)
+    E[W]   = C(n, a) * (D / 2) / (n mu - lam)
 
-plus the backlog queued now served by the pool, ``B / (n mu)``, plus the prefill of a p99
-prompt, ``P99 / mu`` (``prompt_tokens_p99`` when reported, else ``expected_prompt_tokens``),
-plus one decode step ``l_min`` (the first token comes from decode). ``n_p`` is the smallest
-``n`` whose predicted TTFT p99 is within ``ttft_p99_s``. (A sum of p99s overstates the p99 of
-the sum: a conservative choice.) If even the p99 prompt's own prefill does not fit the target,
-the target cannot be met by replicas; the pool is then sized so the wait's p99 is below one
-p99 prefill (reason ``slo_ttft_infeasible``).
+and the prefill itself ``S = prompt / mu`` has mean ``E[S] = m / mu`` and p99 ``S99 = P99 / mu``
+(``prompt_tokens_mean`` and ``prompt_tokens_p99`` when reported, else
+``expected_prompt_tokens`` and ``ln(100)`` times it, an exponential's p99). The TTFT's p99 is
+the means plus the excesses over them combined as independent spreads::
+
+    TTFT99(n) = B / (n mu) + l_min + E[W] + E[S] + sqrt((W99 - E[W])^2 + (S99 - E[S])^2)
+
+with ``B / (n mu)`` the backlog queued now served by the pool and ``l_min`` one decode step
+(the first token comes from decode). Why not ``W99 + S99``: the p99 of a sum of independent
+terms is well below the sum of their p99s (the request with the longest prompt is rarely the
+one that waited longest); on the Azure trace the plain sum sized prefill about half a replica
+above this on average, for a TTFT p99 well under target (simulated). ``n_p`` is the smallest
+``n`` with ``TTFT99(n) <= ttft_p99_s``. If the p99 prompt's own prefill ``S99 + l_min`` does
+not fit the target, no count of replicas meets it; the pool is then sized for twice that
+(reason ``slo_ttft_infeasible``).
 
 **Decode** (``slo_itl``, ``window``, ``kv``). The profile's step curve
 ``l(b) = l_min + alpha max(0, b - b0)`` gives the largest batch per replica whose step is
@@ -126,13 +135,12 @@ class Forecast:
         )
 
 
-def forecast(
-    windows: tuple[float, ...], ewma: float, min_dispersion: float, partial: float | None = None
-) -> Forecast:
+def forecast(windows: tuple[float, ...], ewma: float, min_dispersion: float) -> Forecast:
     """The forecast from the last windows' rates (oldest first), the inflow EWMA and the
-    dispersion's floor; ``partial``: the rate of the window under way (counts in the level)."""
+    dispersion's floor (the window under way is not used: a second or two of arrivals is
+    mostly noise)."""
     xs = list(windows[-FORECAST_WINDOWS:])
-    recent = xs[-RECENT_WINDOWS:] + ([] if partial is None else [partial])
+    recent = xs[-RECENT_WINDOWS:]
     mean = sum(xs) / len(xs) if xs else 0.0
     level = max(mean, sum(recent) / len(recent) if recent else 0.0, ewma)
     var = sum((x - mean) ** 2 for x in xs) / (len(xs) - 1) if len(xs) > 1 else 0.0
@@ -159,6 +167,7 @@ def prefill_ttft_p99(
     mu: float,
     dispersion: float,
     backlog: float,
+    prompt_mean: float,
     prompt_p99: float,
     l_min: float,
 ) -> float:
@@ -166,9 +175,12 @@ def prefill_ttft_p99(
     if n <= 0 or lam >= n * mu:
         return math.inf
     c = erlang_c(n, lam / mu)
-    tail = math.log(c / (1.0 - P99)) if c > 1.0 - P99 else 0.0
-    wait = tail * (dispersion / 2.0) / (n * mu - lam)
-    return backlog / (n * mu) + wait + prompt_p99 / mu + l_min
+    scale = (dispersion / 2.0) / (n * mu - lam)  # 1 / the tail's decay rate (s)
+    w_mean = c * scale
+    w99 = math.log(c / (1.0 - P99)) * scale if c > 1.0 - P99 else 0.0
+    s_mean, s99 = prompt_mean / mu, prompt_p99 / mu
+    spread = math.hypot(w99 - w_mean, s99 - s_mean)
+    return backlog / (n * mu) + l_min + w_mean + s_mean + spread
 
 
 def prefill_replicas(
@@ -176,6 +188,7 @@ def prefill_replicas(
     mu: float,
     dispersion: float,
     backlog: float,
+    prompt_mean: float,
     prompt_p99: float,
     l_min: float,
     ttft_p99_s: float,
@@ -190,7 +203,8 @@ def prefill_replicas(
     feasible = ttft_p99_s > fixed
     target = ttft_p99_s if feasible else 2.0 * fixed
     for n in range(1, max_replicas + 1):
-        if prefill_ttft_p99(n, lam, mu, dispersion, backlog, prompt_p99, l_min) <= target:
+        ttft = prefill_ttft_p99(n, lam, mu, dispersion, backlog, prompt_mean, prompt_p99, l_min)
+        if ttft <= target:
             return n, feasible
     return max_replicas, feasible
 

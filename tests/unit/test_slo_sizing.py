@@ -55,31 +55,37 @@ def test_erlang_c_worked_values() -> None:
 
 def test_prefill_ttft_p99_worked_example_picks_the_smallest_pool_within_target() -> None:
     # mu 1,000 tok/s, lam 1,500 tok/s, Poisson arrivals of exponential prompts of mean 1,000
-    # (dispersion D = 2 m = 2,000, D/2 = 1,000), p99 prompt 2,000 tokens (2 s of prefill).
-    # n = 3: B(1) = 0.6, B(2) = 0.9/2.9 = 0.31034, B(3) = 0.46552/3.46552 = 0.13433,
-    #   C = 0.40299 / (3 - 1.29851) = 0.23684; wait99 = ln(23.684) * 1000 / 1500 = 2.110 s;
-    #   TTFT99 = 2.110 + 2 = 4.110 s
-    # n = 4: B(4) = 0.20149/4.20149 = 0.047957, C = 0.19183 / 2.57194 = 0.074585;
-    #   wait99 = ln(7.4585) * 1000 / 2500 = 0.8037 s; TTFT99 = 2.804 s
-    # n = 5: B(5) = 0.014183, C = 0.020139; wait99 = ln(2.0139) * 1000 / 3500 = 0.2000 s;
-    #   TTFT99 = 2.200 s
-    args = dict(lam=1500.0, mu=1000.0, dispersion=2000.0, backlog=0.0, prompt_p99=2000.0)
-    assert prefill_ttft_p99(3, l_min=0.0, **args) == pytest.approx(4.110, abs=1e-3)
-    assert prefill_ttft_p99(4, l_min=0.0, **args) == pytest.approx(2.804, abs=1e-3)
-    assert prefill_ttft_p99(5, l_min=0.0, **args) == pytest.approx(2.200, abs=1e-3)
+    # (dispersion D = 2 m = 2,000, D/2 = 1,000), so E[S] = 1 s; p99 prompt 2,000 (S99 = 2 s).
+    # TTFT99 = E[W] + E[S] + sqrt((W99 - E[W])^2 + (S99 - E[S])^2), W's scale 1000/(n mu - lam)
+    # n = 2: B(1) = 0.6, B(2) = 0.9/2.9 = 0.31034, C = 0.62069 / 0.96552 = 0.64286; scale 2 s:
+    #   E[W] = 1.2857, W99 = ln(64.286) * 2 = 8.3266; 1.2857 + 1 + sqrt(7.0409^2 + 1) = 9.397
+    # n = 3: B(3) = 0.46552/3.46552 = 0.13433, C = 0.40299 / 1.70149 = 0.23684; scale 0.6667:
+    #   E[W] = 0.15789, W99 = ln(23.684) * 0.6667 = 2.1099; 1.15789 + sqrt(1.9520^2 + 1) = 3.351
+    # n = 4: B(4) = 0.20149/4.20149 = 0.047957, C = 0.19183 / 2.57194 = 0.074585; scale 0.4:
+    #   E[W] = 0.029834, W99 = ln(7.4585) * 0.4 = 0.80374; 1.02983 + sqrt(0.77391^2 + 1) = 2.294
+    # n = 5: B(5) = 0.014183, C = 0.020139; scale 0.28571: E[W] = 0.005754,
+    #   W99 = ln(2.0139) * 0.28571 = 0.20002; 1.00575 + sqrt(0.19427^2 + 1) = 2.024
+    # (the plain sum W99 + S99 would say 4.110 s and 2.804 s at n = 3 and 4)
+    args = dict(
+        lam=1500.0, mu=1000.0, dispersion=2000.0, backlog=0.0, prompt_mean=1000.0, prompt_p99=2000.0
+    )
+    assert prefill_ttft_p99(2, l_min=0.0, **args) == pytest.approx(9.397, abs=1e-3)
+    assert prefill_ttft_p99(3, l_min=0.0, **args) == pytest.approx(3.351, abs=1e-3)
+    assert prefill_ttft_p99(4, l_min=0.0, **args) == pytest.approx(2.294, abs=1e-3)
+    assert prefill_ttft_p99(5, l_min=0.0, **args) == pytest.approx(2.024, abs=1e-3)
+    assert prefill_ttft_p99(4, l_min=0.024, **args) == pytest.approx(2.318, abs=1e-3)
     assert prefill_ttft_p99(1, l_min=0.0, **args) == math.inf  # lam >= n mu
     assert prefill_replicas(ttft_p99_s=3.0, max_replicas=8, l_min=0.0, **args) == (4, True)
-    assert prefill_replicas(ttft_p99_s=2.7, max_replicas=8, l_min=0.0, **args) == (5, True)
-    # a backlog of 8,000 tokens adds 8000 / (n mu): 2 s at n = 4 -> 4.804 s, 1.6 s at n = 5
-    # -> 3.8 s, 1.333 s at n = 6 (C = 0.0047 < 0.01: no tail) -> 3.333 s, 1.143 s at 7 -> 3.143
-    # s, 1 s at 8 -> 3.0 s: 8
+    assert prefill_replicas(ttft_p99_s=2.2, max_replicas=8, l_min=0.0, **args) == (5, True)
+    # a backlog of 8,000 tokens adds 8000 / (n mu): n = 6 -> 1.333 + 2.001 = 3.334 s (C =
+    # 0.0047 < 0.01: W99 = 0, E[W] = 0.001), n = 7 -> 1.143 + 2.000 = 3.143 s <= 3.2: 7
     backlogged = args | {"backlog": 8000.0}
-    assert prefill_replicas(ttft_p99_s=3.0, max_replicas=16, l_min=0.0, **backlogged) == (8, True)
-    # a target below the p99 prompt's own prefill cannot be met by replicas: flagged, and
-    # sized for a wait99 below one prefill (target 2 x 2 s = 4 s: n = 3's 4.110 s is over)
-    assert prefill_replicas(ttft_p99_s=1.5, max_replicas=8, l_min=0.0, **args) == (4, False)
+    assert prefill_replicas(ttft_p99_s=3.2, max_replicas=16, l_min=0.0, **backlogged) == (7, True)
+    # a target below the p99 prompt's own prefill (2 s) cannot be met by replicas: flagged, and
+    # sized for twice that prefill (4 s: n = 3's 3.351 s is within)
+    assert prefill_replicas(ttft_p99_s=1.5, max_replicas=8, l_min=0.0, **args) == (3, False)
     # no load, no backlog: none
-    assert prefill_replicas(0.0, 1000.0, 2000.0, 0.0, 2000.0, 0.0, 3.0, 8) == (0, True)
+    assert prefill_replicas(0.0, 1000.0, 2000.0, 0.0, 1000.0, 2000.0, 0.0, 3.0, 8) == (0, True)
 
 
 def test_max_batch_from_the_step_curve() -> None:
@@ -140,8 +146,9 @@ def test_decide_sizes_decode_for_the_itl_target_and_names_it() -> None:
 
 def test_decide_keeps_the_warm_pool_the_cold_budget_needs() -> None:
     # the forecast of test_forecast_level_spread_and_upper_quantile (lam 2,000, lam_hi 3,964.4
-    # at C = 5 s, D = 2,727.3 so D/2 = 1,363.6), mu 1,000, p99 prompt 1,000 (1 s), one decode
-    # step l_min = 0.024 s, target 3 s.
+    # at C = 5 s, D = 2,727.3 so D/2 = 1,363.6), mu 1,000, prompts of mean (expected_prompt_
+    # tokens) and p99 1,000 (E[S] = S99 = 1 s: TTFT99 = l_min + 1 + W99 as W99 >= E[W]), one
+    # decode step l_min = 0.024 s, target 3 s.
     # At lam: n = 3: a = 2, B(3) = 0.21053, C = 0.44444, wait99 = ln(44.44) * 1363.6 / 1000
     #   = 5.174 s -> 6.20 s; n = 4: B(4) = 0.095238, C = 0.17391, wait99 = ln(17.39) * 1363.6
     #   / 2000 = 1.947 s -> 2.971 s <= 3: 4 replicas would meet the TTFT target at the mean.
