@@ -362,11 +362,12 @@ def slo_sizes(
             )
 
         base, ok = n_at(fc.rate)
-        warm, _ = n_at(hi)
+        # the warm capacity absorbs the forecast's upper quantile without a new replica
+        warm = min(cap, math.ceil(hi / mu - 1e-9))
         reason = "slo_ttft" if ok else "slo_ttft_infeasible"
         if warm > base:
             reason = "cold_budget"
-        out["prefill"] = SloSizing(warm, reason, hi / mu)
+        out["prefill"] = SloSizing(max(base, warm), reason, max(float(base), hi / mu))
     dec = demand.get("decode")
     if dec is not None:
         growth = hi / fc.rate if fc.rate > 0 else 1.0

@@ -53,17 +53,21 @@ KV's ``ceil(used / (blocks kv_target))`` is taken and names the reason. Output l
 known to this: only the sequences present and their reported load are used.
 
 **Warm pool from the cold-start budget** (``cold_budget``). A request meets a cold start when
-the load rises, within one cold start ``C``, beyond what the warm replicas serve. Both roles
-are therefore sized at the forecast's upper quantile over that horizon,
+the load rises, within one cold start ``C``, beyond what the warm replicas can serve. The warm
+capacity is therefore kept at the forecast's upper quantile over that horizon,
 ``lam_hi = lam + z sigma sqrt(W / max(W, C))`` with ``z`` the standard normal's
 ``1 - max_cold_fraction`` quantile (``sqrt(W / C)``: the windows' rates averaged over the
-horizon, taken as independent), and decode's ``S`` scaled by ``lam_hi / lam`` (Little's law:
-sequences in decode follow the request rate). If ``lam > 0`` the chance that the horizon's
-load exceeds the warm capacity is then at most ``max_cold_fraction``, and since only part of
-the requests in such an excess wait on the new replicas, cold starts stay below it (bursts
-sharper than the windows' spread, and the first request after an idle gap, are not covered:
-the keep-alive decides those). When the count at ``lam_hi`` exceeds the count at ``lam`` the
-difference is the warm pool and the reason is ``cold_budget``.
+horizon, taken as independent): prefill keeps ``ceil(lam_hi / mu)`` replicas, decode
+``ceil(S (lam_hi / lam) / b*)`` (Little's law: sequences in decode follow the request rate).
+The chance that the horizon's load exceeds the warm capacity is then at most
+``max_cold_fraction``, and since only part of the requests in such an excess wait on the new
+replicas, cold starts stay below it (bursts sharper than the windows' spread, and the first
+request after an idle gap, are not covered: the keep-alive decides those). Capacity, not the
+TTFT target at ``lam_hi``: a burst of one cold start's length lengthens the queue for that
+long, which the dispersion ``D`` already prices into the wait; asking for the TTFT target at
+``lam_hi`` as well counted the burstiness twice (on the Azure trace at 0.25x it kept a second
+prefill replica the target did not need, simulated). When this count exceeds the SLO count
+the difference is the warm pool and the reason is ``cold_budget``.
 
 Knobs that remain, and their defaults in this mode (documented in :class:`SloConfig`):
 ``downscale_delay_s`` defaults to the cold start ``C`` when not set explicitly (a replica

@@ -148,19 +148,17 @@ def test_decide_keeps_the_warm_pool_the_cold_budget_needs() -> None:
     # the forecast of test_forecast_level_spread_and_upper_quantile (lam 2,000, lam_hi 3,964.4
     # at C = 5 s, D = 2,727.3 so D/2 = 1,363.6), mu 1,000, prompts of mean (expected_prompt_
     # tokens) and p99 1,000 (E[S] = S99 = 1 s: TTFT99 = l_min + 1 + W99 as W99 >= E[W]), one
-    # decode step l_min = 0.024 s, target 3 s.
-    # At lam: n = 3: a = 2, B(3) = 0.21053, C = 0.44444, wait99 = ln(44.44) * 1363.6 / 1000
-    #   = 5.174 s -> 6.20 s; n = 4: B(4) = 0.095238, C = 0.17391, wait99 = ln(17.39) * 1363.6
-    #   / 2000 = 1.947 s -> 2.971 s <= 3: 4 replicas would meet the TTFT target at the mean.
-    # At lam_hi (a = 3.964): 6 -> 3.25 s, 7 -> 2.18 s: 7, so 3 warm replicas for the budget.
+    # decode step l_min = 0.024 s.
+    # Target 10 s: at lam, n = 3: a = 2, B(3) = 0.21053, C = 0.44444, W99 = ln(44.44) * 1363.6
+    #   / 1000 = 5.174 s -> 6.20 s <= 10: 3 for the TTFT target; the warm capacity for lam_hi
+    #   is ceil(3964.4 / 1000) = 4: one warm replica for the budget (cold_budget).
     # Decode: 150 sequences, b* = 97: 2 for the ITL; scaled by lam_hi / lam = 1.9822:
     #   297.3 / 97 = 3.07 -> 4: cold_budget.
-    cfg = slo_cfg()
     state = AutoscaleState(windows=(1000.0, 3000.0) * 6, window_start=(100.0, 5000.0))
     demand = {
         "prefill": RoleDemand(
-            4,
-            4,
+            3,
+            3,
             ongoing=3,
             tokens_per_s=1000.0,
             uncached_tokens_total=5000.0,
@@ -168,14 +166,17 @@ def test_decide_keeps_the_warm_pool_the_cold_budget_needs() -> None:
         ),
         "decode": RoleDemand(2, 2, ongoing=150),
     }
-    _, out = decide(state, demand, cfg, now=100.5)
-    assert (out["prefill"].replicas, out["prefill"].reason) == (7, "cold_budget")
+    _, out = decide(state, demand, slo_cfg(ttft_p99_s=10.0), now=100.5)
+    assert (out["prefill"].replicas, out["prefill"].reason) == (4, "cold_budget")
     assert out["prefill"].need == pytest.approx(3.964, abs=1e-3)
     assert (out["decode"].replicas, out["decode"].reason) == (4, "cold_budget")
-    # a looser budget (20%: z = 0.8416 -> lam_hi = 2879) keeps fewer: 5 prefill replicas
-    loose = slo_cfg(max_cold_fraction=0.2)
-    _, out = decide(state, demand, loose, now=100.5)
-    assert (out["prefill"].replicas, out["prefill"].reason) == (5, "cold_budget")
+    # a looser budget (20%: z = 0.8416 -> lam_hi = 2879): ceil(2.879) = 3, the TTFT count
+    _, out = decide(state, demand, slo_cfg(ttft_p99_s=10.0, max_cold_fraction=0.2), now=100.5)
+    assert (out["prefill"].replicas, out["prefill"].reason) == (3, "slo_ttft")
+    # target 3 s: n = 3 (6.20 s) is over, n = 4: B(4) = 0.095238, C = 0.17391, W99 =
+    #   ln(17.39) * 1363.6 / 2000 = 1.947 s -> 2.971 s: the TTFT target binds at 4
+    _, out = decide(state, demand, slo_cfg(ttft_p99_s=3.0), now=100.5)
+    assert (out["prefill"].replicas, out["prefill"].reason) == (4, "slo_ttft")
 
 
 def test_windows_are_counted_from_the_cumulative_inflow() -> None:
