@@ -1,10 +1,40 @@
-"""Event-driven simulator of a serverless prefill/decode pool under four autoscalers
+"""Event-driven simulator of a serverless prefill/decode pool under five autoscalers
 (every output: **simulated**; ``pdserve sim autoscale``).
 
 The question it answers (issue #15, "Simulation"): how often does a request wait on a cold
 start, and how many replica-seconds does each autoscaling policy spend, on a real arrival
-trace? ``warm_pool`` is our policy, :func:`controllers.autoscale.decide` called as-is; the
-others are baselines mirrored from their code.
+trace? ``warm_pool`` and ``slo`` are ours, :func:`controllers.autoscale.decide` called
+as-is (knob-driven, and with ``autoscaling.slo`` set: issue 43); the others are baselines
+mirrored from their code.
+
+Two engine models (``SimParams.engine``). ``simple`` is the one described under *Model*
+below. ``profile`` (issue 43) runs on the engine profile (``SimParams.profile``, default the
+modelled A6000 / Llama-3.1-8B one) as the prefill and decode simulators do:
+
+- *Prefill*: per replica, engine steps priced by the profile's ``step_cost`` (the prefill
+  simulator's cost model). A replica not in a step starts one with its requests in progress,
+  then the queue's head in FCFS order, up to ``token_budget`` tokens (the last one chunked,
+  the rest in later steps); several prompts share a step. A prompt that finishes in a step
+  goes to decode at the step's end. Not modelled: the prefix cache (the Azure trace and the
+  ServeGen scenarios have lengths but no content, so there is nothing to hit), the policies
+  of ``bench.sim.prefill`` (FCFS only), KV limits of the prefill engine.
+- *Decode*: per replica a processor-sharing batch: every sequence advances one token per
+  step of ``l(B)`` (the profile's decode step curve, ``B`` the replica's batch), so ITL grows
+  with the batch; the ITL p99 reported is token-weighted over every step. Admission is FCFS
+  to the least-loaded replica whose window (its KV, ``kv_blocks x block_size`` tokens) holds
+  ``prompt + expected_output_tokens`` (256) and whose batch is under ``max_num_seqs``
+  (256): the real output length decides when a sequence ends but is known neither to the
+  window nor to the policies. Not modelled: TWP's own window and ranking
+  (``bench.sim.decode`` drives them), preemption when real outputs outgrow the reservation,
+  the KV transfer, the noisy-neighbour cost of injected KV.
+- *always_on*: prefill over ``token_budget / step_cost(token_budget)`` tokens/s per replica;
+  decode sized for the busiest minute's sequences in decode (each for ``output x l_min``,
+  exact overlaps) over ``b0 x always_on_utilization``, the flat part of the step curve.
+- *TTFT*: the arrival to the end of the decode step that admitted it (``l(B)`` at admission).
+
+``warmup_s`` drops the first seconds from every metric (requests arriving before it, and
+replica-seconds before it): every autoscaled policy starts from zero at t = 0, and at 4x a
+14 s cold start is already more than 1% of the requests, a start-up and not the steady state.
 
 Model
 -----
@@ -75,8 +105,17 @@ Policies (``POLICY_NAMES``); every autoscaled one starts from zero replicas:
   :class:`~controllers.autoscale.AutoscaleConfig` (``paired=True``), bounds
   ``[0, max_replicas]``, ``prefill_tokens_per_s`` = the modelled throughput and
   ``cold_start_s`` = the modelled cold start unless overridden; standard loader (14 s).
+- ``slo``: ours with ``autoscaling.slo`` (:mod:`controllers.slo_sizing`): the same base as
+  ``warm_pool`` plus targets (``DEFAULT_SLO``: TTFT p99 2 s, ITL p99 50 ms, cold budget 3%,
+  or a TTFT target of a multiple of always_on's TTFT p99 on the workload,
+  ``slo_ttft_factor``) and the profile's decode step curve; it sees the last 500 prompts'
+  mean and p99 and the decode replicas' KV blocks (profile engine). ``slo_sweep`` runs it at
+  several (cold budget, TTFT target) settings and ``pareto_front`` keeps the settings no
+  other beats on cold fraction, replica-seconds and TTFT p99 at once.
 
-Metrics per policy: ``cold_start_fraction``: the share of requests that waited on a cold
+Metrics per policy (``replica_seconds_ratio`` and ``ttft_p99_ratio``: to always_on's on the
+same workload; ``itl_p99_s``; ``reasons``: the count of each decision reason, ours only):
+``cold_start_fraction``: the share of requests that waited on a cold
 start, i.e. in either role the replica that served it was not yet running when the
 request reached that role (it was starting then, or was started afterwards); ``always_on``
 has none. It also counts a request that a new replica took from a queue an old replica
