@@ -1155,13 +1155,15 @@ class _Sim:
 
     def _advance(self, rep: _Replica, now: float) -> None:
         """Move a decode replica's progress to ``now`` at its batch's step time, counting
-        the tokens emitted at that ITL."""
+        the tokens emitted at that ITL (after ``warmup_s``)."""
         b = len(rep.seqs)
         if b and now > rep.v_t:
             step = self._step_s(b)
             steps = (now - rep.v_t) / step
             rep.v += steps
-            self.itl_w[step] = self.itl_w.get(step, 0.0) + steps * b
+            counted = (now - max(rep.v_t, self.p.warmup_s)) / step  # warm-up not counted
+            if counted > 0:
+                self.itl_w[step] = self.itl_w.get(step, 0.0) + counted * b
         rep.v_t = now
 
     def _reschedule(self, rep: _Replica, now: float) -> None:
