@@ -69,12 +69,12 @@ long, which the dispersion ``D`` already prices into the wait; asking for the TT
 prefill replica the target did not need, simulated). When this count exceeds the SLO count
 the difference is the warm pool and the reason is ``cold_budget``.
 
-Knobs that remain, and their defaults in this mode (documented in :class:`SloConfig`):
-``downscale_delay_s`` defaults to the cold start ``C`` when not set explicitly (a replica
-released and wanted back within its own restart time would have cost a cold start, and the
-sizing already holds the cold-budget headroom); ``idle_to_zero_s`` (the keep-alive),
-``warm_pool`` (extra replicas, 0) and the bounds stay as set; ``target_utilization`` and
-``prefill_drain_s`` are not used.
+Knobs that remain in this mode: the hysteresis's delay is the measured cold start ``C``
+(``downscale_delay_s`` is not used: a replica released and wanted back within its own restart
+time would have cost a cold start, and the sizing already holds the cold-budget headroom);
+``idle_to_zero_s`` (the keep-alive, 300 s), ``warm_pool`` (extra replicas, 0) and the bounds
+stay as set; ``expected_prompt_tokens`` and ``prefill_tokens_per_s`` are fallbacks until the
+replicas report; ``target_utilization`` and ``prefill_drain_s`` are not used.
 """
 
 from __future__ import annotations
@@ -199,8 +199,8 @@ def prefill_replicas(
     max_replicas: int,
 ) -> tuple[int, bool]:
     """(smallest ``n`` in ``[0, max_replicas]`` meeting ``ttft_p99_s``, feasible). No load and
-    no backlog: 0. When the target is below the p99 prompt's own prefill, the pool is sized
-    for a wait p99 below that prefill instead (feasible False)."""
+    no backlog: 0. When the target is below the p99 prompt's own prefill (plus ``l_min``), the
+    pool is sized for twice that instead (feasible False)."""
     if lam <= 0 and backlog <= 0:
         return 0, True
     fixed = prompt_p99 / mu + l_min
