@@ -48,6 +48,13 @@ Then, per role, in this order (each step names the reason when it sets the count
    (``hold_downscale`` meanwhile). ``idle_to_zero`` has waited its keep-alive already.
 6. ``bounds``: ``[min_replicas, max_replicas]``.
 
+**SLO mode** (``slo`` set, issue 43): the two sizings above are replaced by
+:func:`slo_sizes` (:mod:`controllers.slo_sizing`: the smallest counts that meet the TTFT and
+ITL p99 targets at the load forecast's ``1 - max_cold_fraction`` quantile over one cold
+start, and the TWP window and KV), each naming the bound that set it (``slo_ttft``,
+``slo_itl``, ``cold_budget``, ``window``, ``kv``) in place of ``demand``; the downscale delay
+is the cold start ``C`` instead of ``downscale_delay_s``. Steps 1 and 3-6 are unchanged.
+
 Choices where the issue is silent, written down: activity is per app (one request keeps
 both roles alive); the warm pool is not kept through the keep-alive's end (a pool kept
 forever is ``min_replicas``); the measured cold start is the mean of the last eight starts
@@ -61,6 +68,16 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from controllers.slo_sizing import (
+    FORECAST_WINDOW_S,
+    FORECAST_WINDOWS,
+    SloConfig,
+    SloSizing,
+    forecast,
+    max_batch,
+    prefill_replicas,
+)
 
 AutoscaleRole = Literal["prefill", "decode"]
 ROLES: tuple[AutoscaleRole, ...] = ("prefill", "decode")
@@ -148,6 +165,12 @@ class AutoscaleConfig(BaseModel):
     inflow_window_s: float = Field(
         default=15.0, gt=0, description="Time constant of the inflow's moving average (s)."
     )
+    slo: SloConfig | None = Field(
+        default=None,
+        description="SLO targets (controllers.slo_sizing): when set, both roles are sized for "
+        "them and the cold-start budget instead of target_utilization/prefill_drain_s, and "
+        "the downscale delay is the cold start; None: the knob-driven sizing.",
+    )
 
 
 @dataclass(frozen=True)
@@ -178,6 +201,10 @@ class RoleDemand:
     """Decode: KV blocks in use, summed."""
     kv_blocks_per_replica: float | None = None
     """Decode: KV blocks of one replica."""
+    prompt_tokens_p99: float | None = None
+    """Prefill: p99 of recent prompts' uncached tokens, when reported (SLO sizing)."""
+    prompt_tokens_mean: float | None = None
+    """Prefill: mean of recent prompts' uncached tokens, when reported (SLO sizing)."""
 
 
 @dataclass(frozen=True)
@@ -208,6 +235,10 @@ class AutoscaleState:
     inflow_tokens_per_s: float = 0.0
     inflow_last: tuple[float, float] | None = None
     roles: dict[str, RoleState] = field(default_factory=dict)
+    windows: tuple[float, ...] = ()
+    """SLO forecast: the last windows' inflow rates (tokens/s), oldest first."""
+    window_start: tuple[float, float] | None = None
+    """SLO forecast: (time, cumulative tokens) where the window under way began."""
 
     def role(self, name: str) -> RoleState:
         return self.roles.get(name, RoleState())
@@ -229,11 +260,14 @@ class AutoscaleState:
             for k, v in d.get("roles", {}).items()
         }
         last = d.get("inflow_last")
+        start = d.get("window_start")
         return cls(
             last_active=d.get("last_active"),
             inflow_tokens_per_s=float(d.get("inflow_tokens_per_s", 0.0)),
             inflow_last=None if last is None else (float(last[0]), float(last[1])),
             roles=roles,
+            windows=tuple(float(x) for x in d.get("windows", ())),
+            window_start=None if start is None else (float(start[0]), float(start[1])),
         )
 
 
@@ -276,6 +310,89 @@ def _observe_inflow(
     return replace(state, inflow_tokens_per_s=rate, inflow_last=(now, float(total)))
 
 
+def _observe_windows(state: AutoscaleState, d: RoleDemand, now: float) -> AutoscaleState:
+    """SLO forecast: close the window under way once ``FORECAST_WINDOW_S`` has passed (a
+    longer gap between calls counts as that many windows at the gap's mean rate)."""
+    total = d.uncached_tokens_total
+    if total is None:
+        return state
+    start = state.window_start
+    if start is None or total < start[1]:  # first sample, or a replica gone: start afresh
+        return replace(state, window_start=(now, float(total)))
+    dt = now - start[0]
+    if dt < FORECAST_WINDOW_S:
+        return state
+    k = min(FORECAST_WINDOWS, int(dt / FORECAST_WINDOW_S))
+    rate = (total - start[1]) / dt
+    windows = (*state.windows, *([rate] * k))[-FORECAST_WINDOWS:]
+    return replace(state, windows=windows, window_start=(now, float(total)))
+
+
+def slo_sizes(
+    state: AutoscaleState,
+    demand: dict[str, RoleDemand],
+    cfg: AutoscaleConfig,
+    cold_start_s: float,
+    now: float,
+) -> dict[str, SloSizing]:
+    """Both roles' sizes for ``cfg.slo`` (:mod:`controllers.slo_sizing`): replicas, the bound
+    that set them (``slo_ttft``, ``slo_itl``, ``window``, ``kv``, ``cold_budget``, or an
+    ``*_infeasible`` target) and the fractional need."""
+    slo = cfg.slo
+    assert slo is not None
+    pre = demand.get("prefill")
+    fc = forecast(state.windows, state.inflow_tokens_per_s, float(cfg.expected_prompt_tokens))
+    hi = fc.upper(cold_start_s, slo.max_cold_fraction)
+    l_min = slo.decode_step.l_min_s if slo.decode_step is not None else 0.0
+    out: dict[str, SloSizing] = {}
+    if pre is not None:
+        mu = (
+            pre.tokens_per_s
+            if pre.tokens_per_s and pre.tokens_per_s > 0
+            else cfg.prefill_tokens_per_s
+        )
+        backlog = pre.queued_uncached_tokens + pre.handle_queued * cfg.expected_prompt_tokens
+        mean = pre.prompt_tokens_mean or float(cfg.expected_prompt_tokens)
+        p99 = pre.prompt_tokens_p99 or math.log(100.0) * mean
+        cap = cfg.prefill.max_replicas
+
+        def n_at(lam: float) -> tuple[int, bool]:
+            return prefill_replicas(
+                lam, mu, fc.dispersion, backlog, mean, p99, l_min, slo.ttft_p99_s, cap
+            )
+
+        base, ok = n_at(fc.rate)
+        # the warm capacity absorbs the forecast's upper quantile without a new replica
+        warm = min(cap, math.ceil(hi / mu - 1e-9))
+        reason = "slo_ttft" if ok else "slo_ttft_infeasible"
+        if warm > base:
+            reason = "cold_budget"
+        out["prefill"] = SloSizing(max(base, warm), reason, max(float(base), hi / mu))
+    dec = demand.get("decode")
+    if dec is not None:
+        growth = hi / fc.rate if fc.rate > 0 else 1.0
+        seqs = dec.ongoing
+        by: dict[str, float] = {}
+        if slo.decode_step is not None:
+            b, ok = max_batch(slo.decode_step, slo.itl_p99_s)
+            by["slo_itl" if ok else "slo_itl_infeasible"] = seqs / b
+            by["cold_budget"] = seqs * growth / b
+        if dec.window_tokens is not None and dec.window_tokens > 0:
+            waiting = dec.queued_window_tokens + dec.handle_queued * cfg.expected_output_tokens
+            by["window"] = (dec.token_load + waiting) / dec.window_tokens
+        if dec.kv_blocks_per_replica:
+            by["kv"] = dec.used_kv_blocks / (dec.kv_blocks_per_replica * cfg.kv_target)
+        if by:
+            # the first of the largest names the bound (cold_budget only when it adds one)
+            counts = {k: math.ceil(v - 1e-9) for k, v in by.items()}
+            top = max(counts.values())
+            reason = next(k for k, v in counts.items() if v == top)
+            out["decode"] = SloSizing(top, reason, max(by.values()))
+        else:
+            out["decode"] = SloSizing(0, "no_demand", 0.0)
+    return out
+
+
 def _observe_cold_start(rs: RoleState, d: RoleDemand, now: float) -> RoleState:
     """A raised target that the running count has reached is one measured cold start (from
     when this policy raised it, or first saw it above the running count: Serve raises a
@@ -316,6 +433,8 @@ def decide(
     pre = demand.get("prefill")
     if pre is not None:
         state = _observe_inflow(state, pre, cfg, now)
+        if cfg.slo is not None:
+            state = _observe_windows(state, pre, now)
     roles = dict(state.roles)
     for name, d in demand.items():
         roles[name] = _observe_cold_start(state.role(name), d, now)
@@ -331,21 +450,27 @@ def decide(
     idle = state.last_active is None or now - state.last_active >= cfg.idle_to_zero_s
     from_zero = any(d.running == 0 and d.handle_queued > 0 for d in demand.values())
 
+    sized = slo_sizes(state, demand, cfg, cold, now) if cfg.slo is not None else {}
     wants: dict[str, tuple[int, str, float]] = {}
     for name, d in demand.items():
         bounds: RoleBounds = getattr(cfg, name)
-        if name == "prefill":
-            need = prefill_need(d, state.inflow_tokens_per_s, cold, cfg)
+        bound = "demand"
+        if name in sized:
+            need, bound = sized[name].need, sized[name].reason
+            needed = sized[name].replicas
         else:
-            need = decode_need(d, cfg)
+            if name == "prefill":
+                need = prefill_need(d, state.inflow_tokens_per_s, cold, cfg)
+            else:
+                need = decode_need(d, cfg)
+            needed = math.ceil(need - 1e-9)
         if idle and not active_now:
             want, reason = 0, "idle_to_zero"
         else:
-            needed = math.ceil(need - 1e-9)
             want = needed + cfg.warm_pool
             if d.ongoing > 0 or d.handle_queued > 0:
                 want = max(want, 1)
-            reason = "demand" if needed > 0 else "warm_pool" if want else "no_demand"
+            reason = bound if needed > 0 else "warm_pool" if want else "no_demand"
         waiting_here = d.running == 0 and d.handle_queued > 0
         partner_waiting = from_zero and paired and d.running == 0 and d.target == 0
         if waiting_here or partner_waiting:
@@ -368,7 +493,8 @@ def decide(
             count, held = want, False
             rs = replace(rs, below_since=None, below_max=0)
         else:
-            rs, count, held = _hysteresis(rs, d.target, want, now, cfg.downscale_delay_s)
+            delay = cfg.downscale_delay_s if cfg.slo is None else cold
+            rs, count, held = _hysteresis(rs, d.target, want, now, delay)
         if held:
             reason = "hold_downscale"
         bounded = max(bounds.min_replicas, min(bounds.max_replicas, count))

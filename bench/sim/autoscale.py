@@ -1,10 +1,40 @@
-"""Event-driven simulator of a serverless prefill/decode pool under four autoscalers
+"""Event-driven simulator of a serverless prefill/decode pool under five autoscalers
 (every output: **simulated**; ``pdserve sim autoscale``).
 
 The question it answers (issue #15, "Simulation"): how often does a request wait on a cold
 start, and how many replica-seconds does each autoscaling policy spend, on a real arrival
-trace? ``warm_pool`` is our policy, :func:`controllers.autoscale.decide` called as-is; the
-others are baselines mirrored from their code.
+trace? ``warm_pool`` and ``slo`` are ours, :func:`controllers.autoscale.decide` called
+as-is (knob-driven, and with ``autoscaling.slo`` set: issue 43); the others are baselines
+mirrored from their code.
+
+Two engine models (``SimParams.engine``). ``simple`` is the one described under *Model*
+below. ``profile`` (issue 43) runs on the engine profile (``SimParams.profile``, default the
+modelled A6000 / Llama-3.1-8B one) as the prefill and decode simulators do:
+
+- *Prefill*: per replica, engine steps priced by the profile's ``step_cost`` (the prefill
+  simulator's cost model). A replica not in a step starts one with its requests in progress,
+  then the queue's head in FCFS order, up to ``token_budget`` tokens (the last one chunked,
+  the rest in later steps); several prompts share a step. A prompt that finishes in a step
+  goes to decode at the step's end. Not modelled: the prefix cache (the Azure trace and the
+  ServeGen scenarios have lengths but no content, so there is nothing to hit), the policies
+  of ``bench.sim.prefill`` (FCFS only), KV limits of the prefill engine.
+- *Decode*: per replica a processor-sharing batch: every sequence advances one token per
+  step of ``l(B)`` (the profile's decode step curve, ``B`` the replica's batch), so ITL grows
+  with the batch; the ITL p99 reported is token-weighted over every step. Admission is FCFS
+  to the least-loaded replica whose window (its KV, ``kv_blocks x block_size`` tokens) holds
+  ``prompt + expected_output_tokens`` (256) and whose batch is under ``max_num_seqs``
+  (256): the real output length decides when a sequence ends but is known neither to the
+  window nor to the policies. Not modelled: TWP's own window and ranking
+  (``bench.sim.decode`` drives them), preemption when real outputs outgrow the reservation,
+  the KV transfer, the noisy-neighbour cost of injected KV.
+- *always_on*: prefill over ``token_budget / step_cost(token_budget)`` tokens/s per replica;
+  decode sized for the busiest minute's sequences in decode (each for ``output x l_min``,
+  exact overlaps) over ``b0 x always_on_utilization``, the flat part of the step curve.
+- *TTFT*: the arrival to the end of the decode step that admitted it (``l(B)`` at admission).
+
+``warmup_s`` drops the first seconds from every metric (requests arriving before it, and
+replica-seconds before it): every autoscaled policy starts from zero at t = 0, and at 4x a
+14 s cold start is already more than 1% of the requests, a start-up and not the steady state.
 
 Model
 -----
@@ -75,8 +105,17 @@ Policies (``POLICY_NAMES``); every autoscaled one starts from zero replicas:
   :class:`~controllers.autoscale.AutoscaleConfig` (``paired=True``), bounds
   ``[0, max_replicas]``, ``prefill_tokens_per_s`` = the modelled throughput and
   ``cold_start_s`` = the modelled cold start unless overridden; standard loader (14 s).
+- ``slo``: ours with ``autoscaling.slo`` (:mod:`controllers.slo_sizing`): the same base as
+  ``warm_pool`` plus targets (``DEFAULT_SLO``: TTFT p99 2 s, ITL p99 50 ms, cold budget 3%,
+  or a TTFT target of a multiple of always_on's TTFT p99 on the workload,
+  ``slo_ttft_factor``) and the profile's decode step curve; it sees the last 500 prompts'
+  mean and p99 and the decode replicas' KV blocks (profile engine). ``slo_sweep`` runs it at
+  several (cold budget, TTFT target) settings and ``pareto_front`` keeps the settings no
+  other beats on cold fraction, replica-seconds and TTFT p99 at once.
 
-Metrics per policy: ``cold_start_fraction``: the share of requests that waited on a cold
+Metrics per policy (``replica_seconds_ratio`` and ``ttft_p99_ratio``: to always_on's on the
+same workload; ``itl_p99_s``; ``reasons``: the count of each decision reason, ours only):
+``cold_start_fraction``: the share of requests that waited on a cold
 start, i.e. in either role the replica that served it was not yet running when the
 request reached that role (it was starting then, or was started afterwards); ``always_on``
 has none. It also counts a request that a new replica took from a queue an old replica
@@ -101,8 +140,9 @@ import math
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -117,9 +157,14 @@ from controllers.autoscale import (
     RoleDemand,
     decide,
 )
+from controllers.profile import EngineProfile
+from controllers.slo_sizing import SloConfig
 
 ROLES: tuple[str, ...] = ("prefill", "decode")
-POLICY_NAMES = ("always_on", "serve_default", "serverlessllm", "warm_pool")
+POLICY_NAMES = ("always_on", "serve_default", "serverlessllm", "warm_pool", "slo")
+EngineModel = Literal["simple", "profile"]
+#: Recent prompts the ``slo`` policy's prompt p99 is taken over.
+PROMPT_P99_SAMPLES = 500
 DATA = DATA_DIR
 AZURE_CONV = DATA / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv"
 SERVEGEN = DATA / "servegen"
@@ -156,6 +201,56 @@ class SimParams(BaseModel):
     always_on_utilization: float = Field(
         default=0.8, gt=0, le=1, description="always_on's sizing: share of capacity at peak."
     )
+    engine: EngineModel = Field(
+        default="simple",
+        description="simple: one prompt at a time at prefill_tokens_per_s, fixed itl_s, known "
+        "output lengths in the window; profile: the engine profile's step costs (batched "
+        "chunked prefill, decode step curve, unknown output lengths, KV window).",
+    )
+    profile: str = Field(
+        default="a6000_llama31_8b",
+        description="engine: profile: the engine profile (shipped name or JSON path).",
+    )
+    expected_output_tokens: int = Field(
+        default=256,
+        ge=1,
+        description="engine: profile: output tokens a decode admission reserves (the real "
+        "length is not known to the engine's window or to the policies).",
+    )
+    max_num_seqs: int = Field(
+        default=256, ge=1, description="engine: profile: most sequences per decode step."
+    )
+    warmup_s: float = Field(
+        default=0.0,
+        ge=0,
+        description="Requests arriving before this are served but not counted, and "
+        "replica-seconds are charged from it (every autoscaled policy starts from zero at "
+        "t = 0: the trace's first seconds are a start-up, not the steady state).",
+    )
+
+    def engine_profile(self) -> EngineProfile:
+        return _load_profile(self.profile)
+
+    def prefill_rate(self) -> float:
+        """Prefill tokens/s per replica: ``prefill_tokens_per_s`` (simple) or a full step's
+        ``token_budget / step_cost(token_budget)`` (profile)."""
+        if self.engine == "simple":
+            return self.prefill_tokens_per_s
+        prof = self.engine_profile()
+        t = prof.token_budget
+        return t / prof.step_cost.seconds([(t, 0)])
+
+    def window_tokens(self) -> float:
+        """A decode replica's window: ``decode_window_tokens`` (simple) or its KV in tokens."""
+        if self.engine == "simple":
+            return self.decode_window_tokens
+        prof = self.engine_profile()
+        if prof.kv_blocks is None:
+            return self.decode_window_tokens
+        return float(prof.kv_blocks * prof.block_size)
+
+    def base_itl_s(self) -> float:
+        return self.itl_s if self.engine == "simple" else self.engine_profile().decode.l_min_s
 
     def standard_cold_start_s(self) -> float:
         if self.cold_start_s is not None:
@@ -167,6 +262,13 @@ class SimParams(BaseModel):
             return self.sllm_cold_start_s
         load = self.weights_gb / (self.load_gb_per_s * self.sllm_load_speedup)
         return load + self.engine_init_s
+
+
+@lru_cache(maxsize=8)
+def _load_profile(name: str) -> EngineProfile:
+    from engines.profile_store import load_profile
+
+    return load_profile(name)
 
 
 # --------------------------------------------------------------------------- workloads
@@ -411,6 +513,14 @@ class RoleObs:
     window_tokens: float | None
     arrivals: int
     """Requests that have reached the role so far (cumulative)."""
+    prompt_p99: float | None = None
+    """Prefill: p99 of the last ``PROMPT_P99_SAMPLES`` prompts (tokens)."""
+    prompt_mean: float | None = None
+    """Prefill: mean of the last ``PROMPT_P99_SAMPLES`` prompts (tokens)."""
+    used_kv_blocks: float = 0.0
+    """Decode (profile engine): KV blocks in use."""
+    kv_blocks_per_replica: float | None = None
+    """Decode (profile engine): KV blocks of one replica."""
 
 
 class AutoscalePolicy(Protocol):
@@ -625,6 +735,60 @@ class WarmPool:
         return {r: d.replicas for r, d in decisions.items()}
 
 
+class Slo(WarmPool):
+    """Ours with ``autoscaling.slo`` set: :func:`controllers.autoscale.decide` sizing for
+    the targets (:mod:`controllers.slo_sizing`), called as-is (``paired=True``)."""
+
+    name = "slo"
+
+    def decide(self, now: float, obs: dict[str, RoleObs]) -> dict[str, int]:
+        demand = {
+            r: RoleDemand(
+                running=o.running,
+                target=o.target,
+                handle_queued=float(o.handle_queued),
+                ongoing=float(o.ongoing),
+                queued_uncached_tokens=o.queued_tokens if r == "prefill" else 0.0,
+                queued_window_tokens=o.queued_tokens if r == "decode" else 0.0,
+                uncached_tokens_total=o.tokens_total if r == "prefill" else None,
+                tokens_per_s=o.tokens_per_s,
+                token_load=o.token_load,
+                window_tokens=o.window_tokens,
+                used_kv_blocks=o.used_kv_blocks,
+                kv_blocks_per_replica=o.kv_blocks_per_replica,
+                prompt_tokens_p99=o.prompt_p99,
+                prompt_tokens_mean=o.prompt_mean,
+            )
+            for r, o in obs.items()
+        }
+        self.state, decisions = decide(self.state, demand, self.cfg, now, paired=True)
+        for r, d in decisions.items():
+            self.reasons[f"{r}:{d.reason}"] += 1
+        return {r: d.replicas for r, d in decisions.items()}
+
+
+#: The SLO targets the ``slo`` policy runs with unless given: one setting for every trace
+#: and load (the issue's "shipped defaults, no per-trace tuning").
+DEFAULT_SLO = {"ttft_p99_s": 2.0, "itl_p99_s": 0.05, "max_cold_fraction": 0.03}
+
+
+def slo_config(
+    params: SimParams, slo: dict[str, float] | None = None, **overrides: Any
+) -> AutoscaleConfig:
+    """The AutoscaleConfig the ``slo`` policy runs with: :func:`warm_pool_config`'s base, the
+    targets (``DEFAULT_SLO`` unless given) and the engine profile's decode step curve (the
+    simple engine: flat at ``itl_s``)."""
+    from controllers.profile import DecodeProfile
+
+    step = (
+        params.engine_profile().decode
+        if params.engine == "profile"
+        else DecodeProfile(l_min_s=params.itl_s, b0=1, alpha_s=0.0)
+    )
+    targets = SloConfig.model_validate({**DEFAULT_SLO, **(slo or {}), "decode_step": step})
+    return warm_pool_config(params, slo=targets, **overrides)
+
+
 def warm_pool_config(params: SimParams, **overrides: Any) -> AutoscaleConfig:
     """The AutoscaleConfig the simulator runs warm_pool with: bounds ``[0, max_replicas]``,
     the modelled prefill throughput and cold start; ``overrides`` are AutoscaleConfig
@@ -633,39 +797,72 @@ def warm_pool_config(params: SimParams, **overrides: Any) -> AutoscaleConfig:
         "enabled": True,
         "prefill": RoleBounds(min_replicas=0, max_replicas=params.max_replicas),
         "decode": RoleBounds(min_replicas=0, max_replicas=params.max_replicas),
-        "prefill_tokens_per_s": params.prefill_tokens_per_s,
+        "prefill_tokens_per_s": params.prefill_rate(),
         "cold_start_s": params.standard_cold_start_s(),
     }
     return AutoscaleConfig.model_validate({**base, **overrides})
 
 
+def _occupancy(start: np.ndarray, end: np.ndarray, horizon: int) -> np.ndarray:
+    """Mean number of intervals ``[start, end)`` open in each second ``[k, k + 1)`` (exact
+    overlaps: a 2.4 s interval counts 2.4 request-seconds, not three whole seconds)."""
+    end = np.minimum(end, float(horizon))
+    full = np.zeros(horizon + 1)
+    s_up = np.ceil(start).astype(int)
+    e_dn = np.floor(end).astype(int)
+    inside = s_up <= e_dn  # spans at least one bin boundary
+    np.add.at(full, s_up[inside], 1.0)
+    np.add.at(full, e_dn[inside], -1.0)
+    occ = np.cumsum(full)[:horizon]
+    head = np.zeros(horizon + 1)
+    s_bin = np.floor(start).astype(int)
+    # partial first bin (or the whole interval when it stays inside one bin)
+    np.add.at(head, s_bin, np.where(inside, s_up - start, end - start))
+    # partial last bin
+    np.add.at(head, np.minimum(e_dn[inside], horizon), end[inside] - e_dn[inside])
+    return occ + head[:horizon]
+
+
 def peak_sizing(wl: Workload, params: SimParams) -> dict[str, int]:
     """always_on's counts: the busiest ``peak_window_s`` of demand per role over a
-    replica's capacity at ``always_on_utilization`` (see the module docstring)."""
+    replica's capacity at ``always_on_utilization`` (see the module docstring). Profile
+    engine: decode's demand is the sequences in decode (each for ``output x l_min``) over
+    the step curve's flat batch ``b0``: the one sizing whose decode times are those it
+    assumes (a larger batch steps slower, holds its sequences longer, and the sequences it
+    was sized for no longer fit)."""
     utilization = params.always_on_utilization
     if not wl.requests:
         return {"prefill": 1, "decode": 1}
     arr = np.array([r.arrival_s for r in wl.requests])
     prompt = np.array([r.prompt_tokens for r in wl.requests], dtype=float)
     out = np.array([max(1, r.output_tokens) for r in wl.requests], dtype=float)
-    horizon = int(math.ceil(max(wl.duration_s, float(arr.max()) + out.max() * params.itl_s))) + 2
+    itl = params.base_itl_s()
+    horizon = int(math.ceil(max(wl.duration_s, float(arr.max()) + out.max() * itl))) + 2
     win = max(1, int(round(params.peak_window_s)))
     tok = np.zeros(horizon)
     np.add.at(tok, arr.astype(int), prompt)
-    load = np.zeros(horizon + 1)
-    start = arr.astype(int)
-    end = np.minimum((arr + out * params.itl_s).astype(int) + 1, horizon)
-    np.add.at(load, start, prompt + out)
-    np.add.at(load, end, -(prompt + out))
-    load = np.cumsum(load)[:horizon]
+    if params.engine == "profile":
+        load = _occupancy(arr, arr + out * itl, horizon)
+    else:
+        load = np.zeros(horizon + 1)
+        start = arr.astype(int)
+        end = np.minimum((arr + out * itl).astype(int) + 1, horizon)
+        np.add.at(load, start, prompt + out)
+        np.add.at(load, end, -(prompt + out))
+        load = np.cumsum(load)[:horizon]
 
     def peak(series: np.ndarray) -> float:
         c = np.concatenate([[0.0], np.cumsum(series)])
         w = min(win, len(series))
         return float((c[w:] - c[:-w]).max() / w)
 
-    n_p = math.ceil(peak(tok) / (params.prefill_tokens_per_s * utilization) - 1e-9)
-    n_d = math.ceil(peak(load) / (params.decode_window_tokens * utilization) - 1e-9)
+    n_p = math.ceil(peak(tok) / (params.prefill_rate() * utilization) - 1e-9)
+    d_cap = (
+        float(params.engine_profile().decode.b0)
+        if params.engine == "profile"
+        else params.window_tokens()
+    )
+    n_d = math.ceil(peak(load) / (d_cap * utilization) - 1e-9)
     return {
         "prefill": max(1, min(params.max_replicas, n_p)),
         "decode": max(1, min(params.max_replicas, n_d)),
@@ -689,10 +886,21 @@ class _Replica:
     busy_until: float = 0.0
     load: float = 0.0  # decode
     active: int = 0
+    # profile engine, prefill: requests in progress [index, tokens done]; a step under way
+    own: list[list[int]] = field(default_factory=list)
+    plan: list[tuple[list[int], int]] = field(default_factory=list)
+    stepping: bool = False
+    # profile engine, decode: per sequence the progress (tokens per sequence, shared by the
+    # batch) at which it finishes and at which it was admitted; progress and its time
+    seqs: dict[int, float] = field(default_factory=dict)
+    vstart: dict[int, float] = field(default_factory=dict)
+    v: float = 0.0
+    v_t: float = 0.0
+    version: int = 0
 
     @property
     def idle(self) -> bool:
-        return self.busy_req is None and self.active == 0
+        return self.busy_req is None and self.active == 0 and not self.stepping and not self.own
 
 
 @dataclass
@@ -713,8 +921,13 @@ class _Sim:
         self.reqs = wl.requests
         self.policy = policy
         self.p = params
-        self.mu = params.prefill_tokens_per_s
-        self.window = params.decode_window_tokens
+        self.profiled = params.engine == "profile"
+        self.prof = params.engine_profile() if self.profiled else None
+        self.mu = params.prefill_rate()
+        self.window = params.window_tokens()
+        self.reserve = params.expected_output_tokens
+        self.itl_w: dict[float, float] = {}  # ITL (s) -> tokens emitted at it
+        self.recent_prompts: deque[int] = deque(maxlen=PROMPT_P99_SAMPLES)
         self.cold_s = policy.cold_start_s
         self.keep_timeline = timeline
         self.heap: list[tuple[float, int, int, Any]] = []
@@ -765,9 +978,15 @@ class _Sim:
             elif kind == _ARRIVAL:
                 self.arrive(obj, now)
             elif kind == _PREFILL_DONE:
-                self.prefill_done(obj, now)
+                if self.profiled:
+                    self.prefill_step_done(obj, now)
+                else:
+                    self.prefill_done(obj, now)
             elif kind == _DECODE_DONE:
-                self.decode_done(obj[0], obj[1], now)
+                if self.profiled:
+                    self.decode_progress(obj[0], obj[1], now)
+                else:
+                    self.decode_done(obj[0], obj[1], now)
             else:
                 self.ready(obj, now)
         return self.result()
@@ -777,6 +996,7 @@ class _Sim:
     def arrive(self, i: int, now: float) -> None:
         r = self.reqs[i]
         self.arrived_tokens += r.prompt_tokens
+        self.recent_prompts.append(r.prompt_tokens)
         self.arrivals["prefill"] += 1
         self.from_zero[i] |= not self._running("prefill")
         self.pq.append(i)
@@ -821,6 +1041,9 @@ class _Sim:
         return any(r.warm and not r.draining for r in self.alive[role])
 
     def dispatch_prefill(self, now: float) -> None:
+        if self.profiled:
+            self._prefill_steps(now)
+            return
         while self.pq:
             rep = next(
                 (
@@ -842,6 +1065,9 @@ class _Sim:
             self.push(rep.busy_until, _PREFILL_DONE, rep)
 
     def dispatch_decode(self, now: float) -> None:
+        if self.profiled:
+            self._admit_decode(now)
+            return
         while self.dq:
             i = self.dq[0]
             req = self.reqs[i]
@@ -865,6 +1091,146 @@ class _Sim:
             done = now + max(1, req.output_tokens) * self.p.itl_s
             self.push(done, _DECODE_DONE, (best, i))
 
+    # ---- profile engine (SimParams.engine == "profile")
+
+    def _prefill_steps(self, now: float) -> None:
+        """Start a step on every warm prefill replica that is not in one and has work: its
+        requests in progress first, then the queue's head, FCFS, up to ``token_budget``
+        tokens (the last one chunked), priced by the profile's ``step_cost``."""
+        assert self.prof is not None
+        budget_max = self.prof.token_budget
+        for rep in self.alive["prefill"]:
+            if not rep.warm or rep.stepping:
+                continue
+            if rep.draining and not rep.own:
+                continue
+            budget = budget_max
+            plan: list[tuple[list[int], int]] = []
+            for entry in rep.own:
+                if budget <= 0:
+                    break
+                c = min(self.reqs[entry[0]].prompt_tokens - entry[1], budget)
+                plan.append((entry, c))
+                budget -= c
+            while budget > 0 and self.pq and not rep.draining:
+                i = self.pq.popleft()
+                req = self.reqs[i]
+                self.pq_tokens -= req.prompt_tokens
+                if rep.ready_s > req.arrival_s:
+                    self.cold[i] |= 1
+                entry = [i, 0]
+                rep.own.append(entry)
+                c = min(max(1, req.prompt_tokens), budget)
+                plan.append((entry, c))
+                budget -= c
+            if not plan:
+                continue
+            dur = self.prof.step_cost.seconds((c, e[1]) for e, c in plan)
+            rep.plan = plan
+            rep.stepping = True
+            rep.busy_until = now + dur
+            self.push(rep.busy_until, _PREFILL_DONE, rep)
+
+    def prefill_step_done(self, rep: _Replica, now: float) -> None:
+        rep.stepping = False
+        for entry, c in rep.plan:
+            entry[1] += c
+            i = entry[0]
+            if entry[1] >= max(1, self.reqs[i].prompt_tokens):
+                rep.own.remove(entry)
+                self.prefills_done += 1
+                self.prefill_done_s[i] = now
+                self.arrivals["decode"] += 1
+                self.from_zero[i] |= not self._running("decode")
+                self.dq.append(i)
+        rep.plan = []
+        if rep.draining and not rep.own:
+            self._stop(rep, now)
+        self.dispatch_prefill(now)
+        self.dispatch_decode(now)
+
+    def _step_s(self, batch: int) -> float:
+        assert self.prof is not None
+        return self.prof.decode.step_latency_s(batch)
+
+    def _advance(self, rep: _Replica, now: float) -> None:
+        """Move a decode replica's progress to ``now`` at its batch's step time, counting
+        the tokens emitted at that ITL (after ``warmup_s``)."""
+        b = len(rep.seqs)
+        if b and now > rep.v_t:
+            step = self._step_s(b)
+            steps = (now - rep.v_t) / step
+            rep.v += steps
+            counted = (now - max(rep.v_t, self.p.warmup_s)) / step  # warm-up not counted
+            if counted > 0:
+                self.itl_w[step] = self.itl_w.get(step, 0.0) + counted * b
+        rep.v_t = now
+
+    def _reschedule(self, rep: _Replica, now: float) -> None:
+        rep.version += 1
+        if rep.seqs:
+            left = max(0.0, min(rep.seqs.values()) - rep.v)
+            self.push(now + left * self._step_s(len(rep.seqs)), _DECODE_DONE, (rep, rep.version))
+
+    def _admit_decode(self, now: float) -> None:
+        """FCFS admission to the least-loaded warm decode replica whose window (KV tokens)
+        holds ``prompt + expected_output_tokens`` (the real output length is unknown) and
+        whose batch is below ``max_num_seqs``; a sequence then advances one token per step of
+        the profile's ``l(B)``, ``B`` its replica's batch."""
+        while self.dq:
+            i = self.dq[0]
+            req = self.reqs[i]
+            need = req.prompt_tokens + self.reserve
+            best: _Replica | None = None
+            for r in self.alive["decode"]:
+                if not r.warm or r.draining or len(r.seqs) >= self.p.max_num_seqs:
+                    continue
+                if r.seqs and r.load + need > self.window:
+                    continue
+                if best is None or r.load < best.load:
+                    best = r
+            if best is None:
+                return
+            self.dq.popleft()
+            if best.ready_s > self.prefill_done_s[i]:
+                self.cold[i] |= 2
+            self._advance(best, now)
+            best.seqs[i] = best.v + max(1, req.output_tokens)
+            best.vstart[i] = best.v
+            best.load += need
+            best.active += 1
+            self.ttft[i] = now + self._step_s(len(best.seqs)) - req.arrival_s
+            self._reschedule(best, now)
+
+    def decode_progress(self, rep: _Replica, version: int, now: float) -> None:
+        if version != rep.version or rep.stopped_s is not None:
+            return
+        self._advance(rep, now)
+        done = [i for i, end in rep.seqs.items() if end <= rep.v + 1e-6]
+        for i in done:
+            del rep.seqs[i]
+            del rep.vstart[i]
+            rep.load -= self.reqs[i].prompt_tokens + self.reserve
+            rep.active -= 1
+            self.completed += 1
+        if rep.draining and rep.active == 0:
+            self._stop(rep, now)
+        else:
+            self._reschedule(rep, now)
+        self.dispatch_decode(now)
+
+    def _kv_blocks(self, rep: _Replica) -> float:
+        assert self.prof is not None
+        bs = self.prof.block_size
+        return float(
+            sum(
+                math.ceil(
+                    (self.reqs[i].prompt_tokens + min(self.reqs[i].output_tokens, rep.v - v0)) / bs
+                )
+                for i, v0 in rep.vstart.items()
+            )
+        )
+
     # ---- control
 
     def observe(self, role: str, now: float) -> RoleObs:
@@ -872,26 +1238,47 @@ class _Sim:
         running = [r for r in alive if r.warm and not r.draining]
         starting = sum(1 for r in alive if not r.warm)
         if role == "prefill":
-            busy = [r for r in alive if r.busy_req is not None]
-            remaining = sum(max(0.0, r.busy_until - now) * self.mu for r in busy)
+            if self.profiled:
+                in_progress = sum(len(r.own) for r in alive)
+                remaining = float(
+                    sum(self.reqs[e[0]].prompt_tokens - e[1] for r in alive for e in r.own)
+                )
+            else:
+                busy = [r for r in alive if r.busy_req is not None]
+                in_progress = len(busy)
+                remaining = sum(max(0.0, r.busy_until - now) * self.mu for r in busy)
             q = len(self.pq)
+            recent = np.fromiter(self.recent_prompts, float)
+            p99 = float(np.percentile(recent, 99)) if recent.size else None
+            mean = float(recent.mean()) if recent.size else None
             return RoleObs(
                 running=len(running),
                 starting=starting,
                 target=self.target[role],
                 handle_queued=0 if running else q,
-                ongoing=q + len(busy),
+                ongoing=q + in_progress,
                 queued_tokens=remaining + (self.pq_tokens if running else 0.0),
                 tokens_total=self.arrived_tokens - (0.0 if running else self.pq_tokens),
                 tokens_per_s=self.mu if self.prefills_done else None,
                 token_load=0.0,
                 window_tokens=None,
                 arrivals=self.arrivals[role],
+                prompt_p99=p99,
+                prompt_mean=mean,
             )
         q = len(self.dq)
         # requests waiting for a decode window: in the replicas' gates (their window tokens)
         # while a replica runs, at the handle (a count) while none does
-        waiting = sum(self.reqs[i].prompt_tokens + self.reqs[i].output_tokens for i in self.dq)
+        if self.profiled:  # the output length is unknown: the reservation stands for it
+            waiting = sum(self.reqs[i].prompt_tokens + self.reserve for i in self.dq)
+            for r in alive:
+                self._advance(r, now)
+            kv_used = sum(self._kv_blocks(r) for r in running)
+            assert self.prof is not None
+            kv_per: float | None = self.window / self.prof.block_size
+        else:
+            waiting = sum(self.reqs[i].prompt_tokens + self.reqs[i].output_tokens for i in self.dq)
+            kv_used, kv_per = 0.0, None
         return RoleObs(
             running=len(running),
             starting=starting,
@@ -904,6 +1291,8 @@ class _Sim:
             token_load=sum(r.load for r in running),
             window_tokens=self.window,
             arrivals=self.arrivals[role],
+            used_kv_blocks=kv_used,
+            kv_blocks_per_replica=kv_per,
         )
 
     def tick(self, now: float) -> None:
@@ -955,30 +1344,59 @@ class _Sim:
 
     # ---- result
 
+    def _itl_quantile(self, q: float) -> float | None:
+        """Token-weighted ITL quantile (profile engine); the fixed ``itl_s`` (simple)."""
+        if not self.profiled:
+            return self.p.itl_s
+        if not self.itl_w:
+            return None
+        xs = sorted(self.itl_w.items())
+        total = sum(w for _, w in xs)
+        acc = 0.0
+        for x, w in xs:
+            acc += w
+            if acc >= q * total:
+                return x
+        return xs[-1][0]
+
+    def _itl_mean(self) -> float | None:
+        if not self.profiled:
+            return self.p.itl_s
+        total = sum(self.itl_w.values())
+        return sum(x * w for x, w in self.itl_w.items()) / total if total else None
+
     def result(self) -> SimResult:
         d = self.wl.duration_s
+        w0 = min(self.p.warmup_s, d)
         by_role = {r: 0.0 for r in ROLES}
         for rep in self.stopped + [x for r in ROLES for x in self.alive[r]]:
             end = d if rep.stopped_s is None else min(rep.stopped_s, d)
-            by_role[rep.role] += max(0.0, end - min(rep.started_s, d))
-        n = len(self.reqs)
-        cold = self.cold != 0
-        ttft = self.ttft[~np.isnan(self.ttft)]
+            by_role[rep.role] += max(0.0, end - min(max(rep.started_s, w0), d))
+        keep = np.array([r.arrival_s >= w0 for r in self.reqs], dtype=bool)
+        n = int(keep.sum())
+        cold_all = self.cold[keep]
+        cold = cold_all != 0
+        kept_ttft = self.ttft[keep]
+        ttft = kept_ttft[~np.isnan(kept_ttft)]
         metrics: dict[str, Any] = {
             "cold_start_fraction": float(cold.mean()) if n else 0.0,
-            "from_zero_fraction": float(self.from_zero.mean()) if n else 0.0,
-            "two_cold_starts_fraction": float((self.cold == 3).mean()) if n else 0.0,
+            "from_zero_fraction": float(self.from_zero[keep].mean()) if n else 0.0,
+            "two_cold_starts_fraction": float((cold_all == 3).mean()) if n else 0.0,
             "ttft": summarize(ttft),
-            "ttft_cold": summarize(self.ttft[cold]),
+            "ttft_cold": summarize(kept_ttft[cold]),
             "replica_seconds": sum(by_role.values()),
             "replica_seconds_by_role": by_role,
-            "mean_replicas": {r: by_role[r] / d for r in ROLES},
+            "mean_replicas": {r: by_role[r] / max(1e-9, d - w0) for r in ROLES},
+            "warmup_s": w0,
             "peak_replicas": dict(self.peak),
             "scale_ups": sum(self.ups.values()),
             "scale_downs": sum(self.downs.values()),
             "scale_ups_by_role": dict(self.ups),
             "scale_downs_by_role": dict(self.downs),
             "cold_start_s": self.cold_s,
+            "itl_p99_s": self._itl_quantile(0.99),
+            "itl_mean_s": self._itl_mean(),
+            "engine": self.p.engine,
             "n_requests": n,
             "completed": self.completed,
         }
@@ -997,6 +1415,7 @@ def make_policy(
     params: SimParams,
     cfg: AutoscaleConfig,
     always_on: dict[str, int],
+    slo_cfg: AutoscaleConfig | None = None,
 ) -> AutoscalePolicy:
     std = params.standard_cold_start_s()
     if name == "always_on":
@@ -1009,6 +1428,8 @@ def make_policy(
         )
     if name == "warm_pool":
         return WarmPool(cfg, std)
+    if name == "slo":
+        return Slo(slo_cfg if slo_cfg is not None else slo_config(params), std)
     raise ValueError(f"unknown policy {name!r}; known: {list(POLICY_NAMES)}")
 
 
@@ -1020,23 +1441,46 @@ def run_policies(
     *,
     always_on: dict[str, int] | None = None,
     on_done: Callable[[], None] | None = None,
+    slo_cfg: AutoscaleConfig | None = None,
+    slo_ttft_factor: float | None = None,
 ) -> tuple[dict[str, Any], dict[str, SimResult]]:
     """Every policy in ``names`` on ``wl``; results as JSON-able dicts (plus the raw runs).
-    ``always_on`` is always simulated (the reference), reported only when asked for."""
+    ``always_on`` is always simulated (the reference), reported only when asked for; each
+    result has its replica-seconds and TTFT p99 as ratios to always_on's.
+    ``slo_ttft_factor``: the ``slo`` policy's TTFT target is that times always_on's TTFT
+    p99 on this workload (the goal's own requirement, instead of a fixed target)."""
     sizing = always_on or peak_sizing(wl, params)
+    scfg = slo_cfg if slo_cfg is not None else slo_config(params)
     runs: dict[str, SimResult] = {}
+    reasons: dict[str, dict[str, int]] = {}
     order = ["always_on"] + [n for n in names if n != "always_on"]
     for name in order:
-        runs[name] = simulate(wl, make_policy(name, params, cfg, sizing), params)
+        if name == "slo" and slo_ttft_factor is not None and scfg.slo is not None:
+            target = slo_ttft_factor * (runs["always_on"].metrics["ttft"]["p99"] or 0.0)
+            if target > 0:
+                scfg = scfg.model_copy(
+                    update={"slo": scfg.slo.model_copy(update={"ttft_p99_s": target})}
+                )
+        pol = make_policy(name, params, cfg, sizing, scfg)
+        runs[name] = simulate(wl, pol, params)
+        if isinstance(pol, WarmPool):
+            reasons[name] = dict(sorted(pol.reasons.items()))
         if on_done is not None:
             on_done()
     ref = runs["always_on"].metrics["replica_seconds"]
+    ref_p99 = runs["always_on"].metrics["ttft"]["p99"]
     out: dict[str, Any] = {}
     for name in names:
         m = dict(runs[name].metrics)
         m["replica_seconds_ratio"] = m["replica_seconds"] / ref if ref > 0 else None
+        p99 = m["ttft"]["p99"]
+        m["ttft_p99_ratio"] = p99 / ref_p99 if p99 is not None and ref_p99 else None
         if name == "warm_pool":
             m["config"] = cfg.model_dump(mode="json")
+        if name == "slo":
+            m["config"] = scfg.model_dump(mode="json")
+        if name in reasons:
+            m["reasons"] = reasons[name]
         out[name] = m
     return out, runs
 
@@ -1075,6 +1519,61 @@ def pareto_sweep(
             if on_done is not None:
                 on_done()
     return points
+
+
+def slo_sweep(
+    wl: Workload,
+    params: SimParams,
+    base: AutoscaleConfig,
+    settings: Iterable[tuple[float, float]],
+    reference: dict[str, Any],
+    *,
+    on_done: Callable[[], None] | None = None,
+) -> list[dict[str, Any]]:
+    """The ``slo`` policy at each ``(max_cold_fraction, ttft_p99_s)``: cold-start fraction,
+    replica-seconds and TTFT p99 (each as a ratio to ``reference``, always_on's metrics)."""
+    assert base.slo is not None
+    points = []
+    ref_rs = reference["replica_seconds"]
+    ref_p99 = reference["ttft"]["p99"]
+    for eps, ttft in settings:
+        slo = base.slo.model_copy(update={"max_cold_fraction": eps, "ttft_p99_s": ttft})
+        c = AutoscaleConfig.model_validate({**base.model_dump(), "slo": slo.model_dump()})
+        m = simulate(wl, Slo(c, params.standard_cold_start_s()), params, timeline=False).metrics
+        p99 = m["ttft"]["p99"]
+        points.append(
+            {
+                "max_cold_fraction": eps,
+                "ttft_p99_target_s": ttft,
+                "cold_start_fraction": m["cold_start_fraction"],
+                "replica_seconds_ratio": m["replica_seconds"] / ref_rs if ref_rs > 0 else None,
+                "ttft_p99_s": p99,
+                "ttft_p99_ratio": p99 / ref_p99 if p99 is not None and ref_p99 else None,
+                "itl_p99_s": m["itl_p99_s"],
+            }
+        )
+        if on_done is not None:
+            on_done()
+    return points
+
+
+def pareto_front(points: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The points no other point beats on all of cold fraction, replica-seconds ratio and
+    TTFT p99 ratio (lower is better on each)."""
+    keys = ("cold_start_fraction", "replica_seconds_ratio", "ttft_p99_ratio")
+
+    def vec(p: dict[str, Any]) -> tuple[float, ...]:
+        return tuple(math.inf if p[k] is None else float(p[k]) for k in keys)
+
+    out = []
+    for p in points:
+        v = vec(p)
+        beaten = any(
+            all(a <= b for a, b in zip(vec(q), v, strict=True)) and vec(q) != v for q in points
+        )
+        if not beaten:
+            out.append(p)
+    return out
 
 
 # --------------------------------------------------------------------------- output

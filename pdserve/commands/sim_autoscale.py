@@ -1,4 +1,4 @@
-"""``pdserve sim autoscale``: serverless autoscaling of a PD pool, four policies (simulated)."""
+"""``pdserve sim autoscale``: serverless autoscaling of a PD pool, five policies (simulated)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,10 @@ if TYPE_CHECKING:
 
 GOAL_COLD_FRACTION = 0.05
 GOAL_REPLICA_RATIO = 0.70
+#: Issue 43's goals for the ``slo`` policy (simulated, shipped defaults).
+SLO_GOAL_COLD_FRACTION = 0.03
+SLO_GOAL_REPLICA_RATIO = 0.60
+SLO_GOAL_TTFT_RATIO = 1.5
 
 
 @sim_app.command("autoscale")
@@ -26,7 +30,7 @@ def autoscale(
     trace: Path | None = typer.Option(None, help="Replay a trace file instead of a scenario."),
     trace_format: str = typer.Option("azure", help="azure (with --trace)."),
     policies: str = typer.Option(
-        "always_on,serve_default,serverlessllm,warm_pool", help="Policies, comma-separated."
+        "always_on,serve_default,serverlessllm,warm_pool,slo", help="Policies, comma-separated."
     ),
     load: float | None = typer.Option(
         None, min=0.001, help="Arrival rate x this (trace: time compressed by it)."
@@ -73,6 +77,33 @@ def autoscale(
         None, min=0.0, help="serverlessllm's cold start (s); default modelled: 7 s."
     ),
     max_replicas: int = typer.Option(32, min=1, help="Most replicas per role (every policy)."),
+    engine: str = typer.Option(
+        "simple",
+        help="Engine model: simple (fixed prefill rate and ITL, known output lengths) or "
+        "profile (the engine profile's batched prefill steps and decode step curve).",
+    ),
+    profile: str = typer.Option(
+        "a6000_llama31_8b", help="--engine profile: engine profile (shipped name or path)."
+    ),
+    warmup: float = typer.Option(
+        0.0, min=0.0, help="Seconds at the start not counted (requests and replica-seconds)."
+    ),
+    slo_ttft: float = typer.Option(2.0, min=1e-3, help="slo: TTFT p99 target (s)."),
+    slo_itl: float = typer.Option(0.05, min=1e-4, help="slo: ITL p99 target (s)."),
+    max_cold_fraction: float = typer.Option(
+        0.03, min=1e-4, max=0.99, help="slo: cold-start budget (share of requests)."
+    ),
+    slo_ttft_factor: float | None = typer.Option(
+        None,
+        min=1e-3,
+        help="slo: TTFT target = this x always_on's TTFT p99 on each workload (instead of "
+        "--slo-ttft).",
+    ),
+    slo_sweep: str | None = typer.Option(
+        None,
+        help="slo settings for a Pareto front, 'EPS:TTFT,...' (TTFT in s, or '1.5x' for a "
+        "multiple of always_on's TTFT p99), e.g. '0.01:1.5x,0.03:1.5x,0.1:2x'.",
+    ),
     always_on: str | None = typer.Option(
         None, help="always_on's counts 'P,D' (default: sized for the peak minute)."
     ),
@@ -96,14 +127,19 @@ def autoscale(
         POLICY_NAMES,
         SCENARIOS,
         SimParams,
+        pareto_front,
         pareto_sweep,
         peak_sizing,
         plot,
         plot_pareto,
         run_policies,
         servegen_workload,
+        slo_config,
         table_rows,
         trace_workload,
+    )
+    from bench.sim.autoscale import (
+        slo_sweep as run_slo_sweep,
     )
     from bench.workloads.traces import load_azure
 
@@ -130,6 +166,10 @@ def autoscale(
         raise typer.BadParameter(
             f"unknown scenario {scenario!r}; known: {sorted(SCENARIOS)}", param_hint="--scenario"
         )
+    if engine not in ("simple", "profile"):
+        raise typer.BadParameter(
+            f"expected simple or profile, got {engine!r}", param_hint="--engine"
+        )
     params = SimParams(
         prefill_tokens_per_s=prefill_tps,
         itl_s=itl_ms / 1000.0,
@@ -137,8 +177,21 @@ def autoscale(
         cold_start_s=cold_start_s,
         sllm_cold_start_s=sllm_cold_start_s,
         max_replicas=max_replicas,
+        engine=engine,  # type: ignore[arg-type]
+        profile=profile,
+        warmup_s=warmup,
     )
+    if engine == "profile":
+        try:
+            params.engine_profile()
+        except FileNotFoundError as e:
+            raise typer.BadParameter(str(e), param_hint="--profile") from None
     cfg = _warm_pool_config(params, warm_pool, keep_alive, autoscale_set)
+    scfg = slo_config(
+        params,
+        {"ttft_p99_s": slo_ttft, "itl_p99_s": slo_itl, "max_cold_fraction": max_cold_fraction},
+    )
+    sweep = _sweep(slo_sweep) if slo_sweep else []
     fixed = _counts(always_on) if always_on is not None else None
     kas = csv_numbers(pareto_keep_alives, float, "keep-alives")
     pools = csv_numbers(pareto_pools, int, "warm pool sizes")
@@ -150,7 +203,9 @@ def autoscale(
         records = records[:max_requests]
     if records is not None and not records:
         raise typer.BadParameter("the trace has no requests", param_hint="--trace")
-    per_load = len(set(names) | {"always_on"}) + (len(kas) * len(pools) if pareto_out else 0)
+    per_load = (
+        len(set(names) | {"always_on"}) + (len(kas) * len(pools) if pareto_out else 0) + len(sweep)
+    )
     bar = tqdm(total=per_load * len(load_list), desc="autoscale (simulated)", disable=not progress)
     t0 = time.monotonic()
     flat: dict[str, Any] = {}
@@ -158,6 +213,8 @@ def autoscale(
     sizing: dict[str, Any] = {}
     pareto: dict[str, Any] = {}
     goal_met: dict[str, bool] = {}
+    slo_goal: dict[str, dict[str, Any]] = {}
+    sweeps: dict[str, Any] = {}
     plots: list[tuple[str, Any]] = []
     panels: list[tuple[str, list[dict[str, Any]], dict[str, Any]]] = []
     for x in load_list:
@@ -173,7 +230,14 @@ def autoscale(
             raise typer.BadParameter(f"no requests at load {x:g}", param_hint="--scenario")
         counts = fixed or peak_sizing(wl, params)
         res, runs = run_policies(
-            wl, names, params, cfg, always_on=counts, on_done=lambda: bar.update(1)
+            wl,
+            names,
+            params,
+            cfg,
+            always_on=counts,
+            on_done=lambda: bar.update(1),
+            slo_cfg=scfg,
+            slo_ttft_factor=slo_ttft_factor,
         )
         workloads[label] = {
             "name": wl.name,
@@ -193,6 +257,24 @@ def autoscale(
                 and wp["replica_seconds_ratio"] is not None
                 and wp["replica_seconds_ratio"] <= GOAL_REPLICA_RATIO
             )
+        sp = res.get("slo")
+        if sp is not None:
+            slo_goal[label] = {
+                "cold_start_fraction": sp["cold_start_fraction"] <= SLO_GOAL_COLD_FRACTION,
+                "replica_seconds_ratio": (sp["replica_seconds_ratio"] or 0.0)
+                <= SLO_GOAL_REPLICA_RATIO,
+                "ttft_p99_ratio": sp["ttft_p99_ratio"] is not None
+                and sp["ttft_p99_ratio"] <= SLO_GOAL_TTFT_RATIO,
+            }
+        if sweep:
+            ref = runs["always_on"].metrics
+            ao99 = ref["ttft"]["p99"] or 0.0
+            settings = [(eps, t * ao99 if rel else t) for eps, t, rel in sweep]
+            pts = run_slo_sweep(wl, params, scfg, settings, ref, on_done=lambda: bar.update(1))
+            front = pareto_front(pts)
+            for p in pts:
+                p["on_front"] = p in front
+            sweeps[label] = pts
         plots.append((label, {n: runs[n] for n in names}))
         if pareto_out is not None:
             ref = runs["always_on"].metrics["replica_seconds"]
@@ -214,21 +296,38 @@ def autoscale(
             "standard_cold_start_s": params.standard_cold_start_s(),
             "serverlessllm_cold_start_s": params.fast_cold_start_s(),
             "warm_pool_config": cfg.model_dump(mode="json"),
+            "slo_config": scfg.model_dump(mode="json"),
+            "slo_ttft_factor": slo_ttft_factor,
         },
         "goal": {
             "cold_start_fraction_max": GOAL_COLD_FRACTION,
             "replica_seconds_ratio_max": GOAL_REPLICA_RATIO,
             "warm_pool_met": goal_met,
+            "slo": {
+                "cold_start_fraction_max": SLO_GOAL_COLD_FRACTION,
+                "replica_seconds_ratio_max": SLO_GOAL_REPLICA_RATIO,
+                "ttft_p99_ratio_max": SLO_GOAL_TTFT_RATIO,
+                "met": slo_goal,
+            },
         },
         "elapsed_s": elapsed,
     }
     if pareto:
         result["pareto"] = pareto
+    if sweeps:
+        result["slo_sweep"] = sweeps
     typer.echo(
         f"SIMULATED autoscale: {source}, loads {', '.join(f'{x:g}x' for x in load_list)}; "
         f"cold start {params.standard_cold_start_s():g} s (serverlessllm "
-        f"{params.fast_cold_start_s():g} s), modelled; prefill {prefill_tps:g} tok/s, "
-        f"ITL {itl_ms:g} ms, decode window {window_tokens:g} tokens"
+        f"{params.fast_cold_start_s():g} s), modelled; "
+        + (f"prefill {prefill_tps:g} tok/s, " if engine == "simple" else "")
+        + (
+            f"ITL {itl_ms:g} ms, decode window {window_tokens:g} tokens"
+            if engine == "simple"
+            else f"engine profile {profile} ({params.prefill_rate():.0f} tok/s per prefill "
+            f"replica at full steps)"
+        )
+        + (f"; first {warmup:g} s not counted" if warmup > 0 else "")
     )
     for label, w in workloads.items():
         typer.echo(
@@ -250,6 +349,40 @@ def autoscale(
                 else ""
             )
         )
+    for label, g in slo_goal.items():
+        missed = [k for k, ok in g.items() if not ok]
+        typer.echo(
+            f"slo goal at {label} (cold <= {SLO_GOAL_COLD_FRACTION:.0%}, replica-seconds <= "
+            f"{SLO_GOAL_REPLICA_RATIO:.0%}, TTFT p99 <= {SLO_GOAL_TTFT_RATIO:g}x always_on's): "
+            + ("met" if not missed else f"missed on {', '.join(missed)}")
+        )
+    for label, pts in sweeps.items():
+        typer.echo(f"slo sweep at {label} (simulated; * on the Pareto front):")
+        typer.echo(
+            table(
+                [
+                    "eps",
+                    "ttft_target_s",
+                    "cold_frac",
+                    "rs_ratio",
+                    "ttft_p99_ratio",
+                    "itl_p99_s",
+                    "front",
+                ],
+                [
+                    [
+                        p["max_cold_fraction"],
+                        round(p["ttft_p99_target_s"], 3),
+                        round(p["cold_start_fraction"], 4),
+                        _round(p["replica_seconds_ratio"]),
+                        _round(p["ttft_p99_ratio"]),
+                        _round(p["itl_p99_s"]),
+                    ]
+                    + (["*"] if p["on_front"] else [""])
+                    for p in pts
+                ],
+            )
+        )
     typer.echo(f"simulated in {elapsed:.1f} s")
     write_json(json_out, result)
     title = f"{source}"
@@ -261,6 +394,30 @@ def autoscale(
         pareto_out.parent.mkdir(parents=True, exist_ok=True)
         plot_pareto(panels, str(pareto_out), title, (GOAL_REPLICA_RATIO, GOAL_COLD_FRACTION))
         typer.echo(f"wrote {pareto_out}")
+
+
+def _round(x: float | None) -> float | str:
+    return "-" if x is None else round(x, 3)
+
+
+def _sweep(spec: str) -> list[tuple[float, float, bool]]:
+    """``EPS:TTFT`` items: (cold budget, TTFT target, relative to always_on's p99)."""
+    out = []
+    for item in spec.split(","):
+        eps_s, sep, ttft_s = item.strip().partition(":")
+        rel = ttft_s.strip().endswith("x")
+        try:
+            eps = float(eps_s)
+            ttft = float(ttft_s.strip().rstrip("x"))
+        except ValueError:
+            eps = ttft = -1.0
+        if not sep or not (0 < eps < 1) or ttft <= 0:
+            raise typer.BadParameter(
+                f"expected EPS:TTFT with 0 < EPS < 1 and TTFT > 0 (s, or '1.5x'), got {item!r}",
+                param_hint="--slo-sweep",
+            )
+        out.append((eps, ttft, rel))
+    return out
 
 
 def _counts(spec: str) -> dict[str, int]:

@@ -158,3 +158,40 @@ def test_a_bad_autoscaling_section_names_the_field(bad: dict[str, Any]) -> None:
 
     with pytest.raises(ValidationError, match="autoscaling.prefill"):
         load_app_config({"autoscaling": {"enabled": True, **bad}}, environ={})
+
+
+@pytest.mark.parametrize(
+    ("slo", "field"),
+    [
+        ({"ttft_p99_s": 0, "itl_p99_s": 0.05}, "autoscaling.slo.ttft_p99_s"),
+        (
+            {"ttft_p99_s": 2, "itl_p99_s": 0.05, "max_cold_fraction": 1},
+            "autoscaling.slo.max_cold_fraction",
+        ),
+        ({"ttft_p99_s": 2}, "autoscaling.slo.itl_p99_s"),
+    ],
+)
+def test_a_bad_slo_section_names_the_field(slo: dict[str, Any], field: str) -> None:
+    from pydantic import ValidationError
+
+    from deployments.config import load_app_config
+
+    with pytest.raises(ValidationError, match=field.replace(".", r"\.")):
+        load_app_config({"autoscaling": {"enabled": True, "slo": slo}}, environ={})
+
+
+def test_the_slo_section_rides_in_the_policy_kwargs() -> None:
+    from controllers.profile import DecodeProfile
+    from controllers.slo_sizing import SloConfig
+
+    step = DecodeProfile(l_min_s=0.024, b0=32, alpha_s=0.0004)
+    cfg = CFG.model_copy(
+        update={"slo": SloConfig(ttft_p99_s=2.0, itl_p99_s=0.05, decode_step=step)}
+    )
+    kw = serve_autoscaling_config(cfg, "prefill", False)["policy"]["policy_kwargs"]
+    assert AutoscaleConfig.model_validate(kw["autoscaling"]).slo == cfg.slo
+    policy = RoleAutoscaler(**kw)
+    assert policy.cfg.slo == cfg.slo
+    _, ctx = context("prefill", 0, queued=2)
+    n, state = policy(ctx)
+    assert n == 1 and "windows" in state["pdserve"]
