@@ -115,6 +115,9 @@ def ray_start_command(spec: NodeSpec, gcs_address: str, ray_bin: str = "ray") ->
         "--num-gpus=0",
         f"--resources={json.dumps(spec.resources)}",
         "--object-store-memory=100000000",  # 100 MB: replicas pass no large objects
+        # one log monitor per machine (the head's): the nodes share its session's log
+        # folder, and each node's own would stream every line to the driver again
+        "--include-log-monitor=false",
         "--disable-usage-stats",
     ]
 

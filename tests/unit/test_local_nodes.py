@@ -55,6 +55,7 @@ def test_ray_start_joins_the_node_on_its_own_address_with_its_roles_resource() -
     res = next(a for a in cmd if a.startswith("--resources="))
     assert json.loads(res.split("=", 1)[1]) == {"pdserve_prefill": 2.0}
     assert "--head" not in cmd and "--block" not in cmd  # a daemon that joins
+    assert "--include-log-monitor=false" in cmd  # the head's log monitor reads every node's
 
 
 def test_the_multinode_config_pins_each_role_to_its_nodes_only() -> None:
