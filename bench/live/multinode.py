@@ -307,6 +307,16 @@ class FakeAutoscalingCluster:
 
 
 DECODE_NODE = "pdserve.decode"
+#: The autoscaling run's events, in the order each depends on the one before.
+EVENTS = (
+    "policy_wants_2",
+    "node_joined",
+    "replica_running",
+    "new_replica_served",
+    "load_stopped",
+    "replica_gone",
+    "node_terminated",
+)
 
 
 def decode_nodes() -> list[str]:

@@ -139,7 +139,7 @@ import heapq
 import math
 from collections import Counter, deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -713,22 +713,23 @@ class WarmPool:
     def initial(self) -> dict[str, int]:
         return {r: getattr(self.cfg, r).initial() for r in ROLES}
 
+    def demand(self, r: str, o: RoleObs) -> RoleDemand:
+        """What :func:`controllers.autoscale.decide` sees of role ``r``."""
+        return RoleDemand(
+            running=o.running,
+            target=o.target,
+            handle_queued=float(o.handle_queued),
+            ongoing=float(o.ongoing),
+            queued_uncached_tokens=o.queued_tokens if r == "prefill" else 0.0,
+            queued_window_tokens=o.queued_tokens if r == "decode" else 0.0,
+            uncached_tokens_total=o.tokens_total if r == "prefill" else None,
+            tokens_per_s=o.tokens_per_s,
+            token_load=o.token_load,
+            window_tokens=o.window_tokens,
+        )
+
     def decide(self, now: float, obs: dict[str, RoleObs]) -> dict[str, int]:
-        demand = {
-            r: RoleDemand(
-                running=o.running,
-                target=o.target,
-                handle_queued=float(o.handle_queued),
-                ongoing=float(o.ongoing),
-                queued_uncached_tokens=o.queued_tokens if r == "prefill" else 0.0,
-                queued_window_tokens=o.queued_tokens if r == "decode" else 0.0,
-                uncached_tokens_total=o.tokens_total if r == "prefill" else None,
-                tokens_per_s=o.tokens_per_s,
-                token_load=o.token_load,
-                window_tokens=o.window_tokens,
-            )
-            for r, o in obs.items()
-        }
+        demand = {r: self.demand(r, o) for r, o in obs.items()}
         self.state, decisions = decide(self.state, demand, self.cfg, now, paired=True)
         for r, d in decisions.items():
             self.reasons[f"{r}:{d.reason}"] += 1
@@ -737,34 +738,19 @@ class WarmPool:
 
 class Slo(WarmPool):
     """Ours with ``autoscaling.slo`` set: :func:`controllers.autoscale.decide` sizing for
-    the targets (:mod:`controllers.slo_sizing`), called as-is (``paired=True``)."""
+    the targets (:mod:`controllers.slo_sizing`), called as-is (``paired=True``), seeing the
+    decode KV and the recent prompts' mean and p99 too."""
 
     name = "slo"
 
-    def decide(self, now: float, obs: dict[str, RoleObs]) -> dict[str, int]:
-        demand = {
-            r: RoleDemand(
-                running=o.running,
-                target=o.target,
-                handle_queued=float(o.handle_queued),
-                ongoing=float(o.ongoing),
-                queued_uncached_tokens=o.queued_tokens if r == "prefill" else 0.0,
-                queued_window_tokens=o.queued_tokens if r == "decode" else 0.0,
-                uncached_tokens_total=o.tokens_total if r == "prefill" else None,
-                tokens_per_s=o.tokens_per_s,
-                token_load=o.token_load,
-                window_tokens=o.window_tokens,
-                used_kv_blocks=o.used_kv_blocks,
-                kv_blocks_per_replica=o.kv_blocks_per_replica,
-                prompt_tokens_p99=o.prompt_p99,
-                prompt_tokens_mean=o.prompt_mean,
-            )
-            for r, o in obs.items()
-        }
-        self.state, decisions = decide(self.state, demand, self.cfg, now, paired=True)
-        for r, d in decisions.items():
-            self.reasons[f"{r}:{d.reason}"] += 1
-        return {r: d.replicas for r, d in decisions.items()}
+    def demand(self, r: str, o: RoleObs) -> RoleDemand:
+        return replace(
+            super().demand(r, o),
+            used_kv_blocks=o.used_kv_blocks,
+            kv_blocks_per_replica=o.kv_blocks_per_replica,
+            prompt_tokens_p99=o.prompt_p99,
+            prompt_tokens_mean=o.prompt_mean,
+        )
 
 
 #: The SLO targets the ``slo`` policy runs with unless given: one setting for every trace

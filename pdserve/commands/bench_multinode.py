@@ -126,16 +126,9 @@ def layouts_table(res: dict[str, Any]) -> str:
 
 
 def autoscale_table(res: dict[str, Any]) -> str:
+    from bench.live.multinode import EVENTS
+
     ev = res.get("events_s") or {}
-    order = [
-        "policy_wants_2",
-        "node_joined",
-        "replica_running",
-        "new_replica_served",
-        "load_stopped",
-        "replica_gone",
-        "node_terminated",
-    ]
-    rows = [[name, "-" if name not in ev else f"{ev[name]:.1f}"] for name in order]
+    rows = [[name, "-" if name not in ev else f"{ev[name]:.1f}"] for name in EVENTS]
     rows.append(["requests (failed)", f"{res.get('requests')} ({res.get('errors')})"])
     return fmt(["event (s from the load's start)", "at"], rows)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,16 +24,14 @@ import yaml
 
 from cluster.tenants import hash_key
 from deployments.local_nodes import ROLE_RESOURCE, kill_node, parse_nodes, start_nodes
-from tests.e2e.conftest import OP_AUTH, OPERATOR_KEY, UNLIMITED, only_app, serve_state, wait_until
+from tests.e2e.conftest import OPERATOR_KEY, UNLIMITED, only_app, serve_state, wait_until
+from tests.e2e.test_pd_cluster import AUTH, BLOCK, KEY, cached, complete, matches, prompt, stats
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
 ROOT = Path(__file__).resolve().parents[2]
 APP = "multinode"
 NODES = "prefill=2,decode=1,ingress=1"
-KEY = "sk-multinode"
-AUTH = {"Authorization": f"Bearer {KEY}"}
-BLOCK = 128
 
 
 def multinode_args(model_dir: Path, cache_dir: Path, redis: dict[str, Any]) -> dict[str, Any]:
@@ -47,7 +44,7 @@ def multinode_args(model_dir: Path, cache_dir: Path, redis: dict[str, Any]) -> d
     args["index"].update(redis_url=redis["url"], redis_users=redis["users"])
     args["ingress"].pop("auth")  # keys, as by default
     args["tenants"] = {
-        "key_hashes": {hash_key(KEY): "multinode"},
+        "key_hashes": {hash_key(KEY): "cluster"},  # test_pd_cluster's key and tenant
         "operator_key_hashes": [hash_key(OPERATOR_KEY)],
         "default": UNLIMITED,
     }
@@ -119,12 +116,6 @@ def multinode(
         print(f"multinode timings: {timings}")
 
 
-def stats(app: dict[str, Any]) -> dict[str, Any]:
-    r = httpx.get(f"{app['url']}/v1/pdserve/stats", headers=OP_AUTH, timeout=30)
-    r.raise_for_status()
-    return dict(r.json())
-
-
 def reporting(app: dict[str, Any], role: str) -> dict[str, dict[str, Any]]:
     """The ``role`` replicas that have sent a load report: id -> its row."""
     try:
@@ -132,35 +123,6 @@ def reporting(app: dict[str, Any], role: str) -> dict[str, dict[str, Any]]:
     except httpx.HTTPError:
         return {}
     return {r["id"]: r for r in rows if "requests" in r}
-
-
-def complete(app: dict[str, Any], ids: list[int], max_tokens: int = 2) -> dict[str, Any]:
-    body = {"model": "test", "prompt": ids, "max_tokens": max_tokens, "temperature": 0}
-    r = httpx.post(f"{app['url']}/v1/completions", json=body, headers=AUTH, timeout=120)
-    assert r.status_code == 200, r.text
-    return dict(r.json())
-
-
-def matches(app: dict[str, Any], ids: list[int]) -> dict[str, int]:
-    body = {"model": "test", "prompt": ids, "max_tokens": 1}
-    r = httpx.post(
-        f"{app['url']}/v1/pdserve/route",
-        json=body,
-        headers=OP_AUTH,
-        params={"tenant": "multinode"},
-        timeout=30,
-    )
-    r.raise_for_status()
-    return dict(r.json()["matches"] or {})
-
-
-def prompt(seed: int, blocks: int, tail: int = 40) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 1000) for _ in range(blocks * BLOCK + tail)]
-
-
-def cached(out: dict[str, Any]) -> int:
-    return int(out["usage"]["prompt_tokens_details"]["cached_tokens"])
 
 
 def test_every_replica_lands_on_a_node_of_its_role_and_no_other(

@@ -69,18 +69,11 @@ def autoscaled(
 def test_ray_adds_a_decode_node_for_the_replica_the_policy_wants_and_removes_it_after(
     autoscaled: dict[str, Any],
 ) -> None:
+    from bench.live.multinode import EVENTS
+
     ev = autoscaled["events_s"]
-    order = [
-        "policy_wants_2",
-        "node_joined",
-        "replica_running",
-        "new_replica_served",
-        "load_stopped",
-        "replica_gone",
-        "node_terminated",
-    ]
-    assert all(k in ev for k in order), ev
-    times = [ev[k] for k in order]
+    assert all(k in ev for k in EVENTS), ev
+    times = [ev[k] for k in EVENTS]
     assert times == sorted(times), ev  # each step after the one it depends on
     assert autoscaled["errors"] == 0 and autoscaled["requests"] > 0, autoscaled["error_samples"]
     # one decode node and replica before; two, each replica on its own node, under load
