@@ -56,7 +56,16 @@ from pathlib import Path
 from typing import Any
 
 from bench.live.replay import LiveResult, replay
-from bench.live.routing import get_json, model_vocab, reset_stats, serve_locally, wait_gone
+from bench.live.routing import (
+    config_app,
+    deploy_config,
+    get_json,
+    model_vocab,
+    replica_states,
+    reset_stats,
+    serve_locally,
+    wait_gone,
+)
 from bench.live.routing import wait_ready as wait_health
 from bench.workloads.replay import LiveRequest, load_trace, shape, trace_requests
 from controllers.stats import summarize
@@ -79,7 +88,6 @@ GOALS = {
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "pd_autoscale.yaml"
 AZURE_CONV = ROOT / "bench" / "data" / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv"
-POLICY = {"policy_function": "deployments.autoscaling:PDAutoscaler"}
 
 
 # -- the workload ----------------------------------------------------------------------------
@@ -244,15 +252,7 @@ def decode_step(args: dict[str, Any]) -> dict[str, Any] | None:
 def deploy_spec(system: str, args: dict[str, Any]) -> dict[str, Any]:
     """The application a Serve config would hold for ``system`` (the autoscaled ones with
     the application-level policy)."""
-    app: dict[str, Any] = {
-        "name": APP,
-        "route_prefix": "/",
-        "import_path": "deployments.app:build_app",
-        "args": args,
-    }
-    if system != "always_on":
-        app["autoscaling_policy"] = dict(POLICY)
-    return app
+    return config_app(APP, args, policy=system != "always_on")
 
 
 # -- replica-seconds ---------------------------------------------------------------------------
@@ -286,15 +286,8 @@ def replica_seconds(samples: Sequence[Sample], t0: float, t1: float) -> dict[str
 
 
 def _role_states(app: str) -> dict[str, dict[str, int]]:
-    from ray import serve
-
-    deps = serve.status().applications[app].deployments
-    out: dict[str, dict[str, int]] = {}
-    for role in ROLES:
-        d = deps.get(role)
-        states = d.replica_states if d is not None else {}
-        out[role] = {str(getattr(k, "value", k)): int(v) for k, v in states.items()}
-    return out
+    states = replica_states(app)
+    return {role: states.get(role, {}) for role in ROLES}
 
 
 class ReplicaPoll:
@@ -589,17 +582,11 @@ def _run_system(
     """Deploy ``system`` (``args``), warm it (see ``start``), replay against it; its summary
     and replica timeline. The replay's requests are built once, when the first app has built
     the model (``out["replay"]``, ``out["_requests"]``), so every system sends the same."""
-    from ray.serve.context import _get_global_client
-    from ray.serve.schema import ServeDeploySchema
-
     from deployments.config import load_app_config
 
     c = load_app_config(args)
-    client = _get_global_client()
-    assert client is not None  # serve_locally started Serve
     t_deploy = time.monotonic()
-    spec = deploy_spec(system, args)
-    client.deploy_apps(ServeDeploySchema.model_validate({"applications": [spec]}))
+    deploy_config(deploy_spec(system, args))
     wait_running(APP)
     if system == "always_on":
         wait_health(url, c.prefill.num_replicas)

@@ -44,9 +44,12 @@ from typing import Any
 
 from bench.live.routing import (
     Result,
+    config_app,
+    deploy_config,
     get_json,
     model_vocab,
     replay,
+    replica_states,
     reset_stats,
     serve_locally,
     wait_gone,
@@ -95,7 +98,7 @@ def summarize_layout(results: list[Result], max_tokens: int) -> dict[str, Any]:
     }
 
 
-def _replica_nodes(app: str, by: str = "address") -> dict[str, list[str]]:
+def replica_nodes(app: str, by: str = "address") -> dict[str, list[str]]:
     """Each deployment of ``app`` -> its live replicas' nodes: their addresses, or (``by``
     ``"id"``: the fake provider's nodes share the machine's address) the last 8 digits of
     their ids."""
@@ -146,7 +149,7 @@ def run_layouts(
             serve.run(build_app(args), name=APP, route_prefix="/", blocking=False)
             wait_ready(url, cfg.prefill.num_replicas)
             deploy_s = time.monotonic() - t1
-            placement = _replica_nodes(APP)
+            placement = replica_nodes(APP)
             reset_stats(url)
             tick = progress(layout, len(arrivals)) if progress else None
             t2 = time.monotonic()
@@ -330,13 +333,6 @@ def decode_nodes() -> list[str]:
     ]
 
 
-def _states(app: str, dep: str) -> dict[str, int]:
-    from ray import serve
-
-    d = serve.status().applications[app].deployments[dep]
-    return {str(getattr(k, "value", k)): int(v) for k, v in d.replica_states.items()}
-
-
 def new_events(seen: dict[str, float], x: dict[str, Any], first_replicas: set[str]) -> list[str]:
     """The events a sample ``x`` of :class:`Timeline` shows that ``seen`` lacks, in order:
     the policy wants a second decode replica, Ray's second decode node joined, Serve runs the
@@ -381,7 +377,7 @@ class Timeline:
         s = get_json(self.url, "/v1/pdserve/stats")
         dec = s["autoscaling"]["decisions"].get("decode") or {}
         rows = {r["id"]: r for r in s["replicas"]["decode"] if "requests" in r}
-        states = _states(APP, "decode")
+        states = replica_states(APP)["decode"]
         return {
             "t": round(time.monotonic() - self.t0, 2),
             "wanted": int(dec.get("replicas") or 0),
@@ -445,7 +441,6 @@ def run_autoscale(
     start) and the polled samples."""
     import ray
     from ray import serve
-    from ray.serve.schema import ServeDeploySchema
 
     cluster = FakeAutoscalingCluster(
         head_resources={"CPU": 4, ROLE_RESOURCE["prefill"]: 1, ROLE_RESOURCE["ingress"]: 1},
@@ -471,27 +466,16 @@ def run_autoscale(
         out["first_node_s"] = round(time.monotonic() - t_start, 2)
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
         url = f"http://127.0.0.1:{port}"
-        app = {
-            "name": APP,
-            "route_prefix": "/",
-            "import_path": "deployments.app:build_app",
-            "args": args,
-            "autoscaling_policy": {"policy_function": "deployments.autoscaling:PDAutoscaler"},
-        }
-        from ray.serve.context import _get_global_client
-
-        client = _get_global_client()
-        assert client is not None
-        client.deploy_apps(ServeDeploySchema.model_validate({"applications": [app]}))
+        deploy_config(config_app(APP, args, policy=True))
         wait_ready(url, 1, timeout_s=600)
         wait_ready(url, 1, timeout_s=600, role="decode")
         out["deploy_s"] = round(time.monotonic() - t_start, 2)
-        out["placement_before"] = _replica_nodes(APP, by="id")
+        out["placement_before"] = replica_nodes(APP, by="id")
         with Timeline(url) as tl:
             first = {r["id"] for r in get_json(url, "/v1/pdserve/stats")["replicas"]["decode"]}
             tl.first_replicas = first
             results = asyncio.run(_load_until(url, tl, streams, max_tokens, timeout_s))
-            out["placement_under_load"] = _replica_nodes(APP, by="id")
+            out["placement_under_load"] = replica_nodes(APP, by="id")
             tl.mark("load_stopped")
             deadline = time.monotonic() + timeout_s
             while "node_terminated" not in tl.events and time.monotonic() < deadline:
@@ -501,7 +485,7 @@ def run_autoscale(
         out["errors"] = sum(1 for r in results if not r.ok)
         out["error_samples"] = sorted({r.error for r in results if not r.ok})[:3]
         out["samples"] = tl.samples
-        out["placement_after"] = _replica_nodes(APP, by="id")
+        out["placement_after"] = replica_nodes(APP, by="id")
     finally:
         if ray.is_initialized():
             try:

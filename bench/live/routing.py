@@ -154,6 +154,47 @@ def serve_locally(port: int, **init: Any) -> str:
     return f"http://127.0.0.1:{port}"
 
 
+#: pdserve's application-level autoscaling policy, as a Serve config names it
+PD_POLICY = {"policy_function": "deployments.autoscaling:PDAutoscaler"}
+
+
+def config_app(name: str, args: dict[str, Any], policy: bool) -> dict[str, Any]:
+    """The application a Serve config would hold for the app built from ``args`` at ``/``
+    (``policy``: with pdserve's application-level autoscaling policy)."""
+    app: dict[str, Any] = {
+        "name": name,
+        "route_prefix": "/",
+        "import_path": "deployments.app:build_app",
+        "args": args,
+    }
+    if policy:
+        app["autoscaling_policy"] = dict(PD_POLICY)
+    return app
+
+
+def deploy_config(app: dict[str, Any]) -> None:
+    """Deploy ``app`` (:func:`config_app`) as ``serve deploy`` does: only a config carries
+    Serve's application-level policy (``serve.run`` of a built app cannot)."""
+    from ray.serve.context import _get_global_client
+    from ray.serve.schema import ServeDeploySchema
+
+    client = _get_global_client()
+    assert client is not None, "start Serve first (serve_locally)"
+    client.deploy_apps(ServeDeploySchema.model_validate({"applications": [app]}))
+
+
+def replica_states(app: str) -> dict[str, dict[str, int]]:
+    """Serve's count of replicas per state, by the state's name, of each deployment of
+    ``app``."""
+    from ray import serve
+
+    deps = serve.status().applications[app].deployments
+    return {
+        name: {str(getattr(k, "value", k)): int(v) for k, v in d.replica_states.items()}
+        for name, d in deps.items()
+    }
+
+
 def get_json(url: str, path: str) -> dict[str, Any]:
     import httpx
 

@@ -22,6 +22,7 @@ import httpx
 import pytest
 import yaml
 
+from bench.live.multinode import replica_nodes
 from cluster.tenants import hash_key
 from deployments.local_nodes import ROLE_RESOURCE, kill_node, parse_nodes, start_nodes
 from tests.e2e.conftest import OPERATOR_KEY, UNLIMITED, only_app, serve_state, wait_until
@@ -56,22 +57,6 @@ def alive_nodes() -> dict[str, str]:
     import ray
 
     return {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]}
-
-
-def replica_nodes() -> dict[str, list[str]]:
-    """Each deployment of the app -> the addresses of the nodes its live replicas run on
-    (Ray's actor table, not the app's own reports)."""
-    import ray
-
-    nodes = alive_nodes()
-    out: dict[str, list[str]] = {}
-    for a in ray._private.state.actors().values():
-        name = str(a.get("ActorClassName", ""))
-        if a.get("State") != "ALIVE" or not name.startswith(f"ServeReplica:{APP}:"):
-            continue
-        dep = name.split(":")[-1]
-        out.setdefault(dep, []).append(nodes.get(a["Address"]["NodeID"], "?"))
-    return {k: sorted(v) for k, v in out.items()}
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +116,7 @@ def test_every_replica_lands_on_a_node_of_its_role_and_no_other(
     role_ips = {
         role: {s.ip for s in multinode["specs"] if s.role == role} for role in ROLE_RESOURCE
     }
-    placed = replica_nodes()
+    placed = replica_nodes(APP)
     assert set(placed) == {"prefill", "decode", "ingress"}, placed
     assert len(placed["prefill"]) == 2 and set(placed["prefill"]) == role_ips["prefill"]
     assert placed["decode"] == sorted(role_ips["decode"])
@@ -226,7 +211,7 @@ def test_a_lost_prefill_node_costs_no_request_and_its_replica_moves(
         replacement_reported_s=time.monotonic() - t,
         requests_across_the_loss=len(codes),
     )
-    assert replica_nodes()["prefill"] == [survivor_ip, survivor_ip]
+    assert replica_nodes(APP)["prefill"] == [survivor_ip, survivor_ip]
     assert victim_ip not in alive_nodes().values()
     assert victim not in matches(multinode, base)  # the dead replica's blocks are gone
     out = complete(multinode, base[: 4 * BLOCK] + [1, 2, 3])  # and serving goes on
