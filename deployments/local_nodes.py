@@ -29,6 +29,7 @@ import json
 import re
 import signal
 import subprocess
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -149,8 +150,9 @@ def _has_ip(cmdline: list[str], ip: str) -> bool:
     )
 
 
-def node_processes(ip: str) -> list[Any]:
-    """This user's processes of the Ray node at ``ip`` (its raylet, agents and workers)."""
+def processes_where(match: Callable[[list[str]], bool]) -> list[Any]:
+    """This machine's processes whose command line (its arguments) ``match`` accepts; one
+    scan of the process table."""
     import psutil
 
     out = []
@@ -159,31 +161,41 @@ def node_processes(ip: str) -> list[Any]:
             cmd = p.info["cmdline"] or []
         except psutil.Error:
             continue
-        if _has_ip(cmd, ip):
+        if match(cmd):
             out.append(p)
     return out
 
 
-def raylet_of(ip: str) -> Any | None:
-    """The raylet process of the node at ``ip``, or None."""
-    for p in node_processes(ip):
-        try:
-            if "raylet" in p.name():
-                return p
-        except Exception:  # noqa: BLE001 - gone meanwhile
-            continue
-    return None
+def node_processes(ip: str) -> list[Any]:
+    """The processes of the Ray node at ``ip`` (its raylet, agents and workers)."""
+    return processes_where(lambda cmd: _has_ip(cmd, ip))
+
+
+def raylet_ips() -> set[str]:
+    """The addresses of the Ray nodes whose raylet runs on this machine."""
+    flag = "--node_ip_address="
+    raylets = processes_where(lambda cmd: bool(cmd) and cmd[0].endswith("/raylet"))
+    return {
+        a[len(flag) :] for p in raylets for a in (p.info["cmdline"] or []) if a.startswith(flag)
+    }
+
+
+def stop_processes(procs: list[Any], graceful: bool = False, timeout_s: float = 30.0) -> int:
+    """SIGKILL ``procs`` (a node lost), or (``graceful``) SIGTERM them and SIGKILL what is
+    left after ``timeout_s``; how many were signalled."""
+    import psutil
+
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.send_signal(signal.SIGTERM if graceful else signal.SIGKILL)
+    _, alive = psutil.wait_procs(procs, timeout=timeout_s)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    return len(procs)
 
 
 def kill_node(ip: str, graceful: bool = False) -> int:
-    """Stop the node at ``ip``: every process of it, SIGKILL (a node lost) or SIGTERM
-    (``graceful``); how many were signalled."""
-    import psutil
-
-    sig = signal.SIGTERM if graceful else signal.SIGKILL
-    procs = node_processes(ip)
-    for p in procs:
-        with contextlib.suppress(psutil.Error):
-            p.send_signal(sig)
-    psutil.wait_procs(procs, timeout=30)
-    return len(procs)
+    """Stop the node at ``ip``: every process of it (:func:`stop_processes`); how many were
+    signalled."""
+    return stop_processes(node_processes(ip), graceful)

@@ -29,7 +29,6 @@ shared machine. Absolute times are this machine's; the layouts' ratio is the com
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import subprocess
@@ -58,7 +57,15 @@ from bench.live.routing import (
 from bench.workloads.rag import RagMix, rag_mix
 from controllers.stats import summarize
 from deployments.local import venv_bin
-from deployments.local_nodes import ROLE_RESOURCE, NodeSpec, kill_node, parse_nodes, start_nodes
+from deployments.local_nodes import (
+    ROLE_RESOURCE,
+    NodeSpec,
+    kill_node,
+    parse_nodes,
+    processes_where,
+    start_nodes,
+    stop_processes,
+)
 
 APP = "pdmultinode"
 LAYOUT_NODES = "prefill=2,decode=1,ingress=1"
@@ -280,33 +287,24 @@ class FakeAutoscalingCluster:
         return self.address
 
     def processes(self) -> list[Any]:
-        """This cluster's processes: every one whose command line names its GCS port."""
-        import psutil
-
-        marks = (f":{self.port}", f"_port={self.port}", f"-port={self.port}")
-        out = []
-        for p in psutil.process_iter(["cmdline"]):
-            try:
-                cmd = " ".join(p.info["cmdline"] or [])
-            except psutil.Error:
-                continue
-            if self.port and any(m in cmd for m in marks) and p.pid != os.getpid():
-                out.append(p)
-        return out
+        """This cluster's processes (:func:`cluster_processes` of its GCS port)."""
+        return cluster_processes(self.port) if self.port else []
 
     def stop(self) -> int:
         """End this cluster's processes (SIGTERM, then SIGKILL what is left); how many."""
-        import psutil
+        return stop_processes(self.processes(), graceful=True, timeout_s=20)
 
-        procs = self.processes()
-        for p in procs:
-            with contextlib.suppress(psutil.Error):
-                p.terminate()
-        _, alive = psutil.wait_procs(procs, timeout=20)
-        for p in alive:
-            with contextlib.suppress(psutil.Error):
-                p.kill()
-        return len(procs)
+
+def cluster_processes(port: int) -> list[Any]:
+    """The processes of the local Ray cluster whose GCS listens on ``port``: every one whose
+    command line names that port (this process excepted)."""
+    marks = (f":{port}", f"_port={port}", f"-port={port}")
+    me = os.getpid()
+    return [
+        p
+        for p in processes_where(lambda cmd: any(m in " ".join(cmd) for m in marks))
+        if p.pid != me
+    ]
 
 
 DECODE_NODE = "pdserve.decode"

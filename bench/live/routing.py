@@ -320,18 +320,11 @@ def run(
 def wait_gone(marker: str, timeout_s: float = 120.0) -> None:
     """Wait until no local process's title contains ``marker`` (the deleted app's replicas),
     so the next policy does not share the cores with the last one's engines shutting down."""
-    import psutil
+    from deployments.local_nodes import processes_where
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        alive = []
-        for p in psutil.process_iter(["cmdline"]):
-            try:
-                if marker in " ".join(p.info.get("cmdline") or []):
-                    alive.append(p)
-            except psutil.Error:
-                pass
-        if not alive:
+        if not processes_where(lambda cmd: marker in " ".join(cmd)):
             return
         time.sleep(0.5)  # polling process exit
 

@@ -180,12 +180,13 @@ def _start_nodes(specs: list[Any], env: dict[str, str]) -> None:
     kept as they are)."""
     from ray._private.services import canonicalize_bootstrap_address_or_die
 
-    from deployments.local_nodes import raylet_of, start_nodes
+    from deployments.local_nodes import raylet_ips, start_nodes
 
     gcs = canonicalize_bootstrap_address_or_die("auto")
+    running = raylet_ips()
     todo = []
     for spec in specs:
-        if raylet_of(spec.ip) is not None:
+        if spec.ip in running:
             typer.echo(f"pdserve: node {spec.name} ({spec.ip}) is already running")
             continue
         typer.echo(

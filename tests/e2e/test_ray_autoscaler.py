@@ -91,16 +91,10 @@ def test_ray_adds_a_decode_node_for_the_replica_the_policy_wants_and_removes_it_
 
 
 def test_the_second_cluster_leaves_no_process_behind(autoscaled: dict[str, Any]) -> None:
-    import psutil
+    from bench.live.multinode import cluster_processes
 
-    port = autoscaled["gcs_port"]
     assert autoscaled["processes_stopped"] > 0
-    left = []
-    for p in psutil.process_iter(["cmdline"]):
-        try:
-            cmd = " ".join(p.info["cmdline"] or [])
-        except psutil.Error:
-            continue
-        if f":{port}" in cmd or f"_port={port}" in cmd or f"-port={port}" in cmd:
-            left.append(cmd[:200])
+    left = [
+        " ".join(p.info["cmdline"] or [])[:200] for p in cluster_processes(autoscaled["gcs_port"])
+    ]
     assert left == [], left
