@@ -1058,14 +1058,7 @@ class _Sim:
             i = self.dq[0]
             req = self.reqs[i]
             need = req.prompt_tokens + req.output_tokens
-            best: _Replica | None = None
-            for r in self.alive["decode"]:
-                if not r.warm or r.draining:
-                    continue
-                if r.active and r.load + need > self.window:
-                    continue
-                if best is None or r.load < best.load:
-                    best = r
+            best = self._pick_decode(need)
             if best is None:
                 return
             self.dq.popleft()
@@ -1076,6 +1069,20 @@ class _Sim:
             self.ttft[i] = now + self.p.itl_s - req.arrival_s
             done = now + max(1, req.output_tokens) * self.p.itl_s
             self.push(done, _DECODE_DONE, (best, i))
+
+    def _pick_decode(self, need: int, max_seqs: int | None = None) -> _Replica | None:
+        """The least-loaded warm decode replica, not draining, whose window holds ``need``
+        more tokens (an idle one takes any request) and, with ``max_seqs``, whose batch is
+        below it; None: the request waits."""
+        best: _Replica | None = None
+        for r in self.alive["decode"]:
+            if not r.warm or r.draining or (max_seqs is not None and r.active >= max_seqs):
+                continue
+            if r.active and r.load + need > self.window:
+                continue
+            if best is None or r.load < best.load:
+                best = r
+        return best
 
     # ---- profile engine (SimParams.engine == "profile")
 
@@ -1167,14 +1174,7 @@ class _Sim:
             i = self.dq[0]
             req = self.reqs[i]
             need = req.prompt_tokens + self.reserve
-            best: _Replica | None = None
-            for r in self.alive["decode"]:
-                if not r.warm or r.draining or len(r.seqs) >= self.p.max_num_seqs:
-                    continue
-                if r.seqs and r.load + need > self.window:
-                    continue
-                if best is None or r.load < best.load:
-                    best = r
+            best = self._pick_decode(need, self.p.max_num_seqs)
             if best is None:
                 return
             self.dq.popleft()
