@@ -521,6 +521,9 @@ def run(
         "timelines": {},
         "failed": {},
     }
+    import ray
+
+    owns_ray = not ray.is_initialized()  # shut down at the end only a Ray this call started
     url = serve_locally(port)
     try:
         for system in systems:
@@ -557,9 +560,7 @@ def run(
             out["timelines"][system] = rows
             log(f"{system}: {summary['requests'] - summary['errors']}/{summary['requests']} ok")
     finally:
-        import ray
-
-        if ray.is_initialized() and not os.environ.get("RAY_ADDRESS"):
+        if owns_ray and ray.is_initialized() and not os.environ.get("RAY_ADDRESS"):
             try:
                 serve.shutdown()
             finally:

@@ -268,6 +268,14 @@ def test_run_goes_through_each_system_and_reports_one_that_failed(
         )
         return s, [{"t": 0.0, "prefill": 1.0, "decode": 1.0}]
 
+    import ray
+    from ray import serve
+
+    # a Ray this process already holds (the suite's session cluster) is not the run's to stop
+    shut: list[str] = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "shutdown", lambda: shut.append("ray"))
+    monkeypatch.setattr(serve, "shutdown", lambda: shut.append("serve"))
     monkeypatch.setattr(live, "serve_locally", lambda port: f"http://127.0.0.1:{port}")
     monkeypatch.setattr(live, "_run_system", fake_system)
     monkeypatch.setattr(live, "delete_app", deleted.append)
@@ -281,6 +289,7 @@ def test_run_goes_through_each_system_and_reports_one_that_failed(
         log=lambda _: None,
     )
     assert [c[0] for c in calls] == ["always_on", "autoscaled", "slo"]
+    assert shut == []
     assert deleted == [live.APP] * 3  # each system's app goes, the failed one too
     assert list(res["systems"]) == ["always_on", "autoscaled"]
     assert "deploy failed" in res["failed"]["slo"]
