@@ -80,6 +80,7 @@ replicas report; ``target_utilization`` and ``prefill_drain_s`` are not used.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from statistics import NormalDist
 
@@ -151,6 +152,21 @@ def forecast(windows: tuple[float, ...], ewma: float, min_dispersion: float) -> 
     sigma = math.sqrt(var)
     disp = var * FORECAST_WINDOW_S / level if level > 0 else 0.0
     return Forecast(level, sigma, max(min_dispersion, disp))
+
+
+#: Prompts a replica remembers for its reported prompt mean and p99 (``prompt_moments``).
+RECENT_PROMPTS = 256
+
+
+def prompt_moments(uncached: Sequence[int]) -> tuple[float, float]:
+    """Mean and p99 (nearest rank: the ``ceil(0.99 n)``-th smallest) of recent prompts'
+    uncached tokens, which a prefill replica reports as ``prompt_tokens_mean`` and
+    ``prompt_tokens_p99`` for :func:`prefill_ttft_p99`; ``(0, 0)`` with none."""
+    if not uncached:
+        return 0.0, 0.0
+    xs = sorted(uncached)
+    rank = max(1, math.ceil(P99 * len(xs)))
+    return sum(xs) / len(xs), float(xs[rank - 1])
 
 
 def erlang_c(n: int, a: float) -> float:

@@ -127,7 +127,8 @@ def build_app(args: dict[str, Any] | None = None) -> Application:
         scale: dict[str, Any] = {"num_replicas": e.num_replicas}
         if cfg.autoscaling.enabled:  # the serverless autoscaler (deployments.autoscaling)
             paired = cfg.mode != "colocated"
-            scale = {"autoscaling_config": serve_autoscaling_config(cfg.autoscaling, role, paired)}
+            policy = cfg.resolved_autoscaling()  # SLO targets get the profile's decode curve
+            scale = {"autoscaling_config": serve_autoscaling_config(policy, role, paired)}
         engines[role] = Engine.options(
             name=role,
             **scale,

@@ -58,6 +58,8 @@ METRICS = (
     "queued_uncached_tokens",
     "uncached_tokens_total",
     "prefill_tokens_per_s",
+    "prompt_tokens_mean",
+    "prompt_tokens_p99",
     "token_load",
     "queued_window_tokens",
     "window_tokens",
@@ -129,6 +131,10 @@ def role_demand(ctx: Any) -> RoleDemand:
         xs = [x for x in values(name) if x > 0]
         return sum(xs) / len(xs) if xs else None
 
+    def most(name: str) -> float | None:
+        xs = [x for x in values(name) if x > 0]
+        return max(xs) if xs else None
+
     queued = float(ctx.total_queued_requests or 0.0)
     totals = values("uncached_tokens_total")
     return RoleDemand(
@@ -146,6 +152,10 @@ def role_demand(ctx: Any) -> RoleDemand:
         window_tokens=mean("window_tokens"),
         used_kv_blocks=total("used_kv_blocks"),
         kv_blocks_per_replica=mean("total_kv_blocks"),
+        # the SLO sizing's prompts: the replicas' mean, and the largest p99 (the pool's p99
+        # is at most the largest of its replicas')
+        prompt_tokens_mean=mean("prompt_tokens_mean"),
+        prompt_tokens_p99=most("prompt_tokens_p99"),
     )
 
 
@@ -198,6 +208,10 @@ class _Publisher:
                     "target": d.target,
                     "handle_queued": d.handle_queued,
                     "ongoing": d.ongoing,
+                    # what the SLO sizing prices prefill with (None: not reported yet)
+                    "tokens_per_s": d.tokens_per_s,
+                    "prompt_tokens_mean": d.prompt_tokens_mean,
+                    "prompt_tokens_p99": d.prompt_tokens_p99,
                 }
                 for k, d in demand.items()
             },

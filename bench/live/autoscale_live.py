@@ -234,19 +234,15 @@ def parse_slo(value: str) -> dict[str, float]:
 
 
 def decode_step(args: dict[str, Any]) -> dict[str, Any] | None:
-    """The decode step curve of the engine profile the app resolves for its decode role (as
-    ``autoscaling.slo.decode_step``), or None when it resolves none."""
+    """The decode step curve the app's policy sizes decode with (``autoscaling.slo.
+    decode_step``: the one set, else the decode role's profile's, as ``build_app`` resolves
+    it: ``AppConfig.resolved_autoscaling``), or None when there is none."""
     from deployments.config import load_app_config
-    from engines.profile_store import load_profile
 
-    try:
-        sc = load_app_config(args, environ={}).scheduler_config("decode")
-        if sc is None or sc.profile is None:
-            return None
-        prof = load_profile(sc.profile) if isinstance(sc.profile, str) else sc.profile
-        return dict(prof.decode.model_dump(mode="json"))
-    except Exception:  # no profile: the SLO sizes decode by the TWP window and KV only
+    slo = load_app_config(args, environ={}).resolved_autoscaling().slo
+    if slo is None or slo.decode_step is None:
         return None
+    return dict(slo.decode_step.model_dump(mode="json"))
 
 
 def deploy_spec(system: str, args: dict[str, Any]) -> dict[str, Any]:

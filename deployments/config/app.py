@@ -146,6 +146,30 @@ class AppConfig(_Strict):
             return self.model.build_preset
         return found
 
+    def resolved_autoscaling(self) -> AutoscaleConfig:
+        """``autoscaling`` as the policy gets it: with ``slo`` set and no ``slo.decode_step``,
+        the step curve of the profile the decode role resolves (``scheduler_config``), so the
+        ITL target sizes decode without the operator copying the profile; unchanged when the
+        role has no profile (decode is then sized by the TWP window and KV only)."""
+        slo = self.autoscaling.slo
+        if slo is None or slo.decode_step is not None:
+            return self.autoscaling
+        role: Role = "prefill" if self.mode == "colocated" else "decode"
+        try:
+            sc = self.scheduler_config(role)
+        except ValueError:  # profile: auto with nothing measured and no fallback
+            return self.autoscaling
+        if sc is None or sc.profile is None:
+            return self.autoscaling
+        from engines.profile_store import load_profile
+
+        try:
+            prof = load_profile(sc.profile) if isinstance(sc.profile, str) else sc.profile
+        except FileNotFoundError:  # the engine's own load of it names the error
+            return self.autoscaling
+        step = slo.model_copy(update={"decode_step": prof.decode})
+        return self.autoscaling.model_copy(update={"slo": step})
+
     def scheduler_config(self, role: Role) -> EngineSchedulerConfig | None:
         """``role``'s scheduler plug-in config with ``profile: auto`` resolved (the profile
         measured for this platform, vLLM and model preset, else ``profile_fallback``);

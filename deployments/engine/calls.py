@@ -135,6 +135,7 @@ class Calls(ReplicaState):
         self.requests += 1
         self.prompt_tokens += last.num_prompt_tokens
         self.cached_tokens += last.num_cached_tokens
+        self.recent_prompts.append(max(0, last.num_prompt_tokens - last.num_cached_tokens))
         return last
 
     async def _decode(self, req: EngineRequest) -> AsyncIterator[EngineChunk]:

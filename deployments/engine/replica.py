@@ -11,9 +11,11 @@ built from, one module each: :mod:`.calls`, :mod:`.health`, :mod:`.live_config`,
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import replace
 from typing import Any
 
+from controllers.slo_sizing import RECENT_PROMPTS
 from deployments.config import AppConfig, Role, engine_launch, replica_ports
 from deployments.engine.counters import EngineCounters, make_counter_logger, vllm_metrics_loggers
 from deployments.engine.faults import Faults
@@ -85,6 +87,7 @@ class EngineReplica(Reports, Faults):
         self._busy_s = 0.0
         self.prompt_tokens = 0
         self.cached_tokens = 0
+        self.recent_prompts = deque(maxlen=RECENT_PROMPTS)
         if role == "prefill" and self.cfg.index.backend != "none" and self.ports.kv_events:
             vocab = int(self.engine.model_config.get_vocab_size())
             await self.index_writer.start(self._hash_probe, vocab)

@@ -15,6 +15,7 @@ import os
 import time
 from typing import Any
 
+from controllers.slo_sizing import prompt_moments
 from deployments.engine.health import Health
 from deployments.engine.live_config import LiveConfig
 
@@ -97,8 +98,8 @@ class Reports(Health, LiveConfig):
         """The custom metrics Serve hands the autoscaling policy (:mod:`deployments.autoscaling`,
         names in its ``METRICS``): engine calls in flight (health probes and stats calls are
         not engine calls, so a load balancer's probes do not keep an idle pool alive), the
-        prefill backlog and cumulative uncached tokens with this hardware's prefill rate, the
-        TWP load and window and the KV blocks in use, and whether this replica is warm."""
+        prefill backlog and cumulative uncached tokens with this hardware's prefill rate and the
+        recent prompts' mean and p99 (uncached tokens, for the SLO sizing), the TWP load and window and the KV blocks in use, and whether this replica is warm."""
         load = self.engine.load
         out = {
             "requests_in_flight": float(self.in_flight),
@@ -109,6 +110,9 @@ class Reports(Health, LiveConfig):
         rate = self.prefill_tokens_per_s()
         if rate is not None:
             out["prefill_tokens_per_s"] = rate
+        if self.recent_prompts:  # the SLO sizing's prompt mean and p99 (controllers.slo_sizing)
+            mean, p99 = prompt_moments(self.recent_prompts)
+            out["prompt_tokens_mean"], out["prompt_tokens_p99"] = mean, p99
         if load.get("window_tokens") is not None:
             out["window_tokens"] = float(load["window_tokens"])
             out["token_load"] = float(load.get("token_load") or 0.0)

@@ -9,6 +9,7 @@ concern (:mod:`.calls`, :mod:`.health`, :mod:`.live_config`, :mod:`.reports`,
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from typing import Any
 
 from deployments.config import AppConfig, ReplicaPorts, Role
@@ -72,6 +73,9 @@ class ReplicaState:
     _busy_s: float
     prompt_tokens: int
     cached_tokens: int
+    #: the uncached tokens of the last prompts prefilled here (their mean and p99 go to the
+    #: SLO autoscaler: ``record_autoscaling_stats``)
+    recent_prompts: deque[int]
     #: an armed stream loss, ``(prompt tokens, after tokens)`` (:mod:`.faults`; tests, benches)
     stream_loss: tuple[int, int] | None
     #: TWP's decode calibration at start (:meth:`.live_config.LiveConfig._calibrate_decode`)

@@ -78,6 +78,20 @@ def test_role_demand_sums_the_running_replicas_metrics() -> None:
     assert d.queued_uncached_tokens == 1200
     assert d.tokens_per_s == 2000  # a per-replica rate: the mean
     assert d.uncached_tokens_total == 30
+    assert d.prompt_tokens_mean is None and d.prompt_tokens_p99 is None  # not reported
+
+
+def test_role_demand_takes_the_replicas_prompt_mean_and_their_largest_p99() -> None:
+    """The pool's p99 is at most its largest replica p99 (at most 1% of each replica's
+    prompts exceed it), so the sizing is never optimistic; a replica that reported no
+    prompts yet (0) does not pull the mean down."""
+    _, ctx = context(
+        "prefill",
+        3,
+        metrics={"prompt_tokens_mean": [100, 300, 0], "prompt_tokens_p99": [400, 900, 0]},
+    )
+    d = role_demand(ctx)
+    assert (d.prompt_tokens_mean, d.prompt_tokens_p99) == (200, 900)
 
 
 def test_the_application_policy_starts_both_roles_from_zero_and_keeps_state() -> None:
@@ -195,3 +209,35 @@ def test_the_slo_section_rides_in_the_policy_kwargs() -> None:
     _, ctx = context("prefill", 0, queued=2)
     n, state = policy(ctx)
     assert n == 1 and "windows" in state["pdserve"]
+
+
+def test_an_slo_without_a_step_curve_gets_the_decode_profiles() -> None:
+    """``build_app`` gives the policy ``resolved_autoscaling()``: the decode role's profile's
+    step curve fills ``slo.decode_step``; one set by the operator stays; without a profile
+    or an SLO nothing changes."""
+    import copy
+
+    from controllers.profile import DecodeProfile
+    from deployments.config import load_app_config
+    from engines.profile_store import load_profile
+
+    shipped = yaml.safe_load((ROOT / "configs" / "pd_autoscale.yaml").read_text())
+    base = shipped["applications"][0]["args"]
+    slo = {"ttft_p99_s": 2.0, "itl_p99_s": 0.05}
+    args = copy.deepcopy(base)
+    args["decode"]["scheduler_config"] = {"profile": "a6000_llama31_8b"}
+    args["autoscaling"] = {"enabled": True, "slo": slo}
+    got = load_app_config(args, environ={}).resolved_autoscaling().slo
+    assert got is not None and got.decode_step == load_profile("a6000_llama31_8b").decode
+    assert got.ttft_p99_s == 2.0  # the rest as set
+    mine = {**slo, "decode_step": {"l_min_s": 0.01, "b0": 8, "alpha_s": 0.001}}
+    args["autoscaling"] = {"enabled": True, "slo": mine}
+    got = load_app_config(args, environ={}).resolved_autoscaling().slo
+    assert got is not None
+    assert got.decode_step == DecodeProfile(l_min_s=0.01, b0=8, alpha_s=0.001)
+    args["decode"]["scheduler_config"] = None
+    args["autoscaling"] = {"enabled": True, "slo": slo}
+    got = load_app_config(args, environ={}).resolved_autoscaling().slo
+    assert got is not None and got.decode_step is None
+    plain = load_app_config(base, environ={})
+    assert plain.resolved_autoscaling() == plain.autoscaling

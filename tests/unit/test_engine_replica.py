@@ -130,3 +130,28 @@ def test_a_request_output_becomes_the_wires_chunk() -> None:
         TokenLogprob(8, "8", -1.0, ((8, "8", -1.0, 1),)),
         TokenLogprob(9, None, None),
     )
+
+
+def test_a_replica_reports_its_recent_prompts_mean_and_p99_to_the_autoscaler() -> None:
+    """``record_autoscaling_stats`` (Reports) on a stand-in replica: the SLO sizing's prompt
+    mean and p99 come from the prompts it prefilled; none yet, none reported."""
+    from collections import deque
+
+    from deployments.autoscaling import METRICS
+    from deployments.engine.reports import Reports
+
+    me = SimpleNamespace(
+        engine=SimpleNamespace(load={"queued_uncached_tokens": 0}),
+        in_flight=0,
+        warm=True,
+        prompt_tokens=0,
+        cached_tokens=0,
+        recent_prompts=deque(maxlen=4),
+        prefill_tokens_per_s=lambda: None,
+    )
+    out = Reports.record_autoscaling_stats(me)  # type: ignore[arg-type]
+    assert "prompt_tokens_mean" not in out and "prompt_tokens_p99" not in out
+    me.recent_prompts.extend([50, 100, 300, 10, 20])  # the oldest (50) has left the window
+    out = Reports.record_autoscaling_stats(me)  # type: ignore[arg-type]
+    assert (out["prompt_tokens_mean"], out["prompt_tokens_p99"]) == (107.5, 300.0)
+    assert set(out) <= set(METRICS)  # every metric is one the policy's module documents

@@ -234,3 +234,14 @@ def test_bad_slo_values_are_refused_naming_the_field(slo: dict[str, object], fie
     with pytest.raises(ValidationError, match=field) as e:
         AutoscaleConfig.model_validate({"slo": slo})
     assert any(err["loc"][0] == "slo" for err in e.value.errors())
+
+
+def test_prompt_moments_are_the_mean_and_the_nearest_rank_p99() -> None:
+    from controllers.slo_sizing import prompt_moments
+
+    assert prompt_moments([]) == (0.0, 0.0)
+    # 1..200: the 198th smallest is the p99 (ceil(0.99 * 200)); one long prompt in 100 short
+    # ones is the p99 only once it is more than 1% of them
+    assert prompt_moments(range(1, 201)) == (100.5, 198.0)
+    assert prompt_moments([100] * 99 + [5000]) == (149.0, 100.0)
+    assert prompt_moments([100] * 98 + [5000] * 2) == (198.0, 5000.0)
