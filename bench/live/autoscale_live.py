@@ -612,6 +612,7 @@ def _run_system(
     s = summarize_system(results, cold_starts(before, after), rs, t1 - t0)
     s["deploy_s"] = round(deploy_s, 2)
     s["autoscaling_decisions"] = (after.get("autoscaling") or {}).get("decisions")
+    s["autoscaling_demand"] = (after.get("autoscaling") or {}).get("demand")  # what it saw
     return s, timeline(poll.samples, t0)
 
 
