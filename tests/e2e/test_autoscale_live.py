@@ -1,11 +1,12 @@
 """The live autoscaling benchmark, short, on the suite's cluster (issue 43): the first
 requests of the shipped Azure conversation trace replayed against the serverless app with SLO
-targets (``bench.live.autoscale_live``, system ``slo``) and against the same app on its fixed
-always-on pool. Asserted: every request of both is served; the SLO policy sized the roles
-from the replicas' own reports (their prompt mean and p99, the measured prefill rate) and said
-which target bound each; replica-seconds and the ratios to always-on are measured. The
-figures themselves (cost, TTFT) are the benchmark's to report, not this test's: 12 requests on
-two shared cores say nothing stable about them."""
+targets (``bench.live.autoscale_live``, system ``slo``). Asserted: every request is served;
+the SLO policy sized the roles from the replicas' own reports (their prompt mean and p99, the
+measured prefill rate) and said which target bound each; replica-seconds are measured from
+Serve's replica states. The always-on reference is left to the benchmark (its deploy of the
+full pool would add a minute here, and its comparison is unit-tested): the figures themselves
+(cost, TTFT and their ratios) are the benchmark's to report, not this test's, since 12
+requests on two shared cores say nothing stable about them."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ SLO_REASONS = {
 }
 
 
-def test_the_slo_autoscaler_serves_a_scaled_trace_beside_the_always_on_pool(
+def test_the_slo_autoscaler_serves_a_scaled_trace_sized_by_its_replicas_reports(
     serve_url: str,
     tiny_model_dir: Path,
     tmp_path: Path,
@@ -51,19 +52,18 @@ def test_the_slo_autoscaler_serves_a_scaled_trace_beside_the_always_on_pool(
         res: dict[str, Any] = live.run(
             args,
             TRACE,
-            systems=("always_on", "slo"),
+            systems=("slo",),
             slo={"ttft_p99_s": 5.0, "itl_p99_s": 0.5},
             max_requests=REQUESTS,
             max_output_tokens=16,
             log=print,
         )
     assert res["failed"] == {}, res["failed"]
-    for name in ("always_on", "slo"):
-        s = res["systems"][name]
-        assert (s["requests"], s["errors"]) == (REQUESTS, 0), (name, s["error_samples"])
-        assert s["replica_seconds"]["total"] > 0, name
-        assert s["ttft"]["p99"] is not None, name
     slo = res["systems"]["slo"]
+    assert (slo["requests"], slo["errors"]) == (REQUESTS, 0), slo["error_samples"]
+    assert slo["ttft"]["p99"] is not None and slo["itl"]["p99"] is not None
+    # live replicas held the window: at least the warm pair (from the warm-up) throughout
+    assert slo["replica_seconds"]["total"] >= 2 * 0.9 * slo["window_s"], slo["replica_seconds"]
     seen = slo["autoscaling_demand"]["prefill"]
     # the sizing's inputs came from the prefill replicas' own reports
     assert seen["prompt_tokens_p99"] > 0 and seen["prompt_tokens_mean"] > 0, seen
@@ -77,6 +77,3 @@ def test_the_slo_autoscaler_serves_a_scaled_trace_beside_the_always_on_pool(
         "b0",
         "alpha_s",
     }
-    r = res["compare"]["slo"]
-    assert r["replica_seconds_ratio"] is not None and r["replica_seconds_ratio"] > 0
-    assert r["ttft_p99_ratio"] is not None
