@@ -116,8 +116,9 @@ class SloConfig(BaseModel):
     )
     decode_step: DecodeProfile | None = Field(
         default=None,
-        description="Decode step curve (the engine profile's 'decode'); None: decode is "
-        "sized by the TWP window and KV only (no ITL term).",
+        description="Decode step curve (an engine profile's 'decode'); None: the app takes "
+        "the decode role's profile's (AppConfig.resolved_autoscaling), and with no profile "
+        "decode is sized by the TWP window and KV only (no ITL term).",
     )
 
 
