@@ -138,8 +138,8 @@ Policies (``POLICY_NAMES``); every autoscaled one starts from zero replicas:
   ``warm_pool`` plus targets (``DEFAULT_SLO``: TTFT p99 2 s, ITL p99 50 ms, cold budget 3%,
   or a TTFT target of a multiple of always_on's TTFT p99 on the workload,
   ``slo_ttft_factor``) and the profile's decode step curve; it sees the last 500 prompts'
-  mean and p99 (with a prefix cache: their uncached tokens, see above) and the decode
-  replicas' KV blocks (profile engine). ``slo_sweep`` runs it at
+  mean and p99 (with a prefix cache: the last 256 prefilled prompts' uncached tokens, see
+  above) and the decode replicas' KV blocks (profile engine). ``slo_sweep`` runs it at
   several (cold budget, TTFT target) settings and ``pareto_front`` keeps the settings no
   other beats on cold fraction, replica-seconds and TTFT p99 at once.
 
