@@ -15,9 +15,38 @@ modelled A6000 / Llama-3.1-8B one) as the prefill and decode simulators do:
   simulator's cost model). A replica not in a step starts one with its requests in progress,
   then the queue's head in FCFS order, up to ``token_budget`` tokens (the last one chunked,
   the rest in later steps); several prompts share a step. A prompt that finishes in a step
-  goes to decode at the step's end. Not modelled: the prefix cache (the Azure trace and the
-  ServeGen scenarios have lengths but no content, so there is nothing to hit), the policies
-  of ``bench.sim.prefill`` (FCFS only), KV limits of the prefill engine.
+  goes to decode at the step's end. Not modelled: the policies of ``bench.sim.prefill``
+  (FCFS only), KV limits of the prefill engine (prompts in progress reserve no blocks).
+- *Prefix cache* (a workload with content: Mooncake's ``hash_ids``, one per 512-token
+  block, ``mooncake_workload`` / ``--trace-format mooncake``; Azure and ServeGen have
+  lengths only, their requests carry no hashes and never hit, and the simulator runs
+  exactly as without a cache). Every prefill replica has its own
+  :class:`bench.sim.prefill.BlockCache` (block-level LRU, reference-count pinning) of
+  ``prefix_cache_blocks`` blocks of the trace's size, by default the profile's KV in those
+  blocks (the A6000 profile: 12,160 x 16 = 194,560 tokens = 380 blocks of 512). A replica
+  that starts has an empty cache, a stopped one's is gone: more replicas split the cache,
+  scaling to zero loses it. A replica taking a request skips its cached leading blocks
+  (pinned while the prompt runs; at most ``(prompt - 1) // 512`` of them, so at least one
+  token is computed) and prefills the rest, the cached prefix priced as context in
+  ``step_cost``; when the prompt finishes its full blocks are registered in that replica's
+  cache (no room with every block pinned: registration stops). *Routing*, simplified: the
+  queue stays one FCFS queue; its head goes to the replica not in a step with budget left
+  (the only ones that take work) holding its longest cached prefix, ties by the least
+  uncached tokens owed, then the first. pdserve's router (``controllers.routing``,
+  ``prefix_load``) binds a request to a replica at arrival, scoring the share of the
+  prompt cached against the expected uncached work, with a hot-spot guard; neither the
+  binding at arrival nor the weights nor the guard are modelled.
+- *What the policies see with a cache*: as the real replicas report, uncached tokens:
+  ``tokens_total`` (``uncached_tokens_total``) is the uncached tokens of the prompts
+  replicas took plus, while one runs, the queue's prompts whole (no replica has matched
+  them yet; taken with a hit, such a prompt lowers the counter by its hit, which the
+  controller reads as a restart and skips); ``queued_tokens``
+  (``queued_uncached_tokens``) the uncached tokens owed plus the queue's; the ``slo``
+  policy's prompt mean and p99 are :func:`controllers.slo_sizing.prompt_moments` of the
+  last ``RECENT_PROMPTS`` (256) prefilled prompts' uncached tokens (without a cache: the
+  last 500 arrived prompts, ``numpy.percentile``, as before). ``cache_hit_ratio``: cached
+  prompt tokens / prompt tokens of the counted requests. always_on is still sized on
+  whole prompts (the hits depend on how the cache is split).
 - *Decode*: per replica a processor-sharing batch: every sequence advances one token per
   step of ``l(B)`` (the profile's decode step curve, ``B`` the replica's batch), so ITL grows
   with the batch; the ITL p99 reported is token-weighted over every step. Admission is FCFS
@@ -46,7 +75,7 @@ Each request has an arrival time, prompt tokens and output tokens. It is prefill
   replica, one prompt at a time). The figure is modelled, not measured: the repository's
   modelled A6000 / Llama-3.1-8B profile (``engines/profiles/a6000_llama31_8b.json``)
   prefills 1,024 tokens in 0.205 s and 4,096 in 0.87 s (~4,700-5,000 tokens/s); 4,000 is a
-  round figure below that. No prefix cache (the Azure trace has no content).
+  round figure below that. No prefix cache in this engine (see ``profile`` above).
 - *Decode*: one FCFS queue; the head is admitted by the running decode replica with the
   least load that has room in its token window (``decode_window_tokens``, default 16,384;
   a request holds ``prompt + output`` tokens, its KV at completion, for its whole decode;
@@ -109,7 +138,8 @@ Policies (``POLICY_NAMES``); every autoscaled one starts from zero replicas:
   ``warm_pool`` plus targets (``DEFAULT_SLO``: TTFT p99 2 s, ITL p99 50 ms, cold budget 3%,
   or a TTFT target of a multiple of always_on's TTFT p99 on the workload,
   ``slo_ttft_factor``) and the profile's decode step curve; it sees the last 500 prompts'
-  mean and p99 and the decode replicas' KV blocks (profile engine). ``slo_sweep`` runs it at
+  mean and p99 (with a prefix cache: the last 256 prefilled prompts' uncached tokens, see
+  above) and the decode replicas' KV blocks (profile engine). ``slo_sweep`` runs it at
   several (cold budget, TTFT target) settings and ``pareto_front`` keeps the settings no
   other beats on cold fraction, replica-seconds and TTFT p99 at once.
 
@@ -128,7 +158,8 @@ end finish, but the time after it is not counted, so every policy is charged ove
 same span). Scale-ups / downs: replicas started / stopped (cancelled starts included).
 
 Workloads: the Azure LLM conversation trace (:func:`azure_workload`; ``load`` X divides
-arrival times by X) and ServeGen scenarios (:func:`servegen_workload`) built from
+arrival times by X), the Mooncake trace (:func:`mooncake_workload`, the same, with prefix
+block hashes) and ServeGen scenarios (:func:`servegen_workload`) built from
 per-client arrival parameters in ``bench/data/servegen`` with lengths from the Azure trace.
 Deterministic: a workload's seed fixes it; the simulator has no randomness.
 """
@@ -149,7 +180,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from bench import DATA_DIR
 from bench.report.stats import summarize
-from bench.workloads.traces import TraceRequest, load_azure
+from bench.sim.prefill import BlockCache
+from bench.workloads.traces import MOONCAKE_BLOCK_TOKENS, TraceRequest, load_azure, load_mooncake
 from controllers.autoscale import (
     AutoscaleConfig,
     AutoscaleState,
@@ -158,7 +190,7 @@ from controllers.autoscale import (
     decide,
 )
 from controllers.profile import EngineProfile
-from controllers.slo_sizing import SloConfig
+from controllers.slo_sizing import RECENT_PROMPTS, SloConfig, prompt_moments
 
 ROLES: tuple[str, ...] = ("prefill", "decode")
 POLICY_NAMES = ("always_on", "serve_default", "serverlessllm", "warm_pool", "slo")
@@ -220,6 +252,13 @@ class SimParams(BaseModel):
     max_num_seqs: int = Field(
         default=256, ge=1, description="engine: profile: most sequences per decode step."
     )
+    prefix_cache_blocks: int | None = Field(
+        default=None,
+        ge=1,
+        description="engine: profile: each prefill replica's prefix cache, in the workload's "
+        "hash blocks (Mooncake: 512 tokens); None: the profile's KV (kv_blocks x block_size "
+        "tokens; the A6000 profile: 194,560 tokens = 380 blocks of 512).",
+    )
     warmup_s: float = Field(
         default=0.0,
         ge=0,
@@ -249,6 +288,19 @@ class SimParams(BaseModel):
             return self.decode_window_tokens
         return float(prof.kv_blocks * prof.block_size)
 
+    def prefix_cache_capacity(self, block_tokens: int) -> int:
+        """A prefill replica's prefix cache in blocks of ``block_tokens``: ``prefix_cache_blocks``
+        or the profile's KV in tokens over ``block_tokens`` (at least 1)."""
+        if self.prefix_cache_blocks is not None:
+            return self.prefix_cache_blocks
+        prof = self.engine_profile()
+        kv_tokens = (
+            prof.kv_blocks * prof.block_size
+            if prof.kv_blocks is not None
+            else self.decode_window_tokens
+        )
+        return max(1, int(kv_tokens // block_tokens))
+
     def base_itl_s(self) -> float:
         return self.itl_s if self.engine == "simple" else self.engine_profile().decode.l_min_s
 
@@ -276,9 +328,13 @@ def _load_profile(name: str) -> EngineProfile:
 
 @dataclass(frozen=True, slots=True)
 class SimRequest:
+    """``block_hashes``: the prompt's FULL prefix blocks of ``Workload.block_tokens`` tokens
+    (equal hashes: equal prefixes); empty for a trace without content (never hits)."""
+
     arrival_s: float
     prompt_tokens: int
     output_tokens: int
+    block_hashes: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -289,6 +345,8 @@ class Workload:
     requests: tuple[SimRequest, ...]
     duration_s: float
     meta: dict[str, Any] = field(default_factory=dict)
+    block_tokens: int = MOONCAKE_BLOCK_TOKENS
+    """Tokens per entry of the requests' ``block_hashes`` (the prefix cache's block)."""
 
 
 def azure_workload(
@@ -298,15 +356,38 @@ def azure_workload(
     return trace_workload(load_azure(path, limit=limit), f"azure:{Path(path).name}", load=load)
 
 
-def trace_workload(records: Sequence[TraceRequest], name: str, *, load: float = 1.0) -> Workload:
+def mooncake_workload(path: str | Path, *, load: float = 1.0, limit: int | None = None) -> Workload:
+    """A Mooncake trace (``hash_ids``: 512-token prefix blocks) with arrival times divided by
+    ``load``; each request keeps the hashes of its full blocks (the prefix cache's content)."""
+    return trace_workload(
+        load_mooncake(path, limit=limit), f"mooncake:{Path(path).name}", load=load
+    )
+
+
+def trace_workload(
+    records: Sequence[TraceRequest],
+    name: str,
+    *,
+    load: float = 1.0,
+    block_tokens: int = MOONCAKE_BLOCK_TOKENS,
+) -> Workload:
+    """Trace records as a workload (arrival times divided by ``load``). A record's
+    ``hash_ids`` (one per ``block_tokens`` tokens, the last one possibly partial) become the
+    request's full-block hashes, ``input_tokens // block_tokens`` of them; Azure has none."""
     if load <= 0:
         raise ValueError(f"load must be > 0, got {load}")
     reqs = tuple(
-        SimRequest(r.arrival_s / load, r.input_tokens, r.output_tokens)
+        SimRequest(
+            r.arrival_s / load,
+            r.input_tokens,
+            r.output_tokens,
+            tuple(r.hash_ids[: r.input_tokens // block_tokens]),
+        )
         for r in sorted(records, key=lambda r: r.arrival_s)
     )
     duration = reqs[-1].arrival_s if reqs else 0.0
-    return Workload(name, reqs, max(duration, 1.0), {"kind": "trace", "load": load})
+    meta = {"kind": "trace", "load": load}
+    return Workload(name, reqs, max(duration, 1.0), meta, block_tokens)
 
 
 @dataclass(frozen=True)
@@ -855,6 +936,46 @@ def peak_sizing(wl: Workload, params: SimParams) -> dict[str, int]:
     }
 
 
+# --------------------------------------------------------------------------- prefix cache
+
+
+def cached_blocks(
+    cache: BlockCache | None, hashes: Sequence[int], prompt_tokens: int, block_tokens: int
+) -> int:
+    """Leading blocks of ``hashes`` that ``cache`` holds now, capped so at least one prompt
+    token is computed (only the first ``(prompt - 1) // block_tokens`` blocks can hit, as
+    vLLM's ``num_tokens - 1`` cap and :mod:`bench.sim.prefill`); 0 without a cache."""
+    if cache is None or not hashes:
+        return 0
+    return cache.hit_blocks(hashes, max(0, prompt_tokens - 1) // block_tokens)
+
+
+def register_prefix(cache: BlockCache, hashes: Sequence[int], hits: int) -> None:
+    """A prompt whose first ``hits`` blocks were cached (and pinned by :meth:`BlockCache.
+    acquire` at admission) finished its prefill: its other full blocks are registered, in
+    order, then every reference is released tail first (the tail is evicted before the
+    head). A block already cached (another prompt computed it meanwhile) is referenced, not
+    duplicated; registration stops at the first block the cache has no room for (every
+    block pinned: a later block could never hit without it)."""
+    held = list(hashes[:hits])
+    for h in hashes[hits:]:
+        if h in cache:
+            cache.acquire([h])
+        elif cache.can_reserve([], 1):
+            cache.reserve(1)
+            cache.register(h)
+        else:
+            break
+        held.append(h)
+    cache.release(held, 0)
+
+
+def pick_prefill(candidates: Sequence[tuple[int, float]]) -> int:
+    """Index of the replica a request goes to, from ``(cached blocks, load)`` per replica
+    with room: the longest cached prefix, then the least load, then the first."""
+    return min(range(len(candidates)), key=lambda k: (-candidates[k][0], candidates[k][1], k))
+
+
 # --------------------------------------------------------------------------- simulator
 
 _READY, _PREFILL_DONE, _DECODE_DONE, _ARRIVAL, _TICK = range(5)
@@ -883,6 +1004,8 @@ class _Replica:
     v: float = 0.0
     v_t: float = 0.0
     version: int = 0
+    # profile engine with block hashes, prefill: this replica's own prefix cache
+    cache: BlockCache | None = None
 
     @property
     def idle(self) -> bool:
@@ -937,6 +1060,18 @@ class _Sim:
         self.downs = {r: 0 for r in ROLES}
         self.peak = {r: 0 for r in ROLES}
         self.timeline: list[tuple[float, int, int]] = []
+        # prefix cache (profile engine, a workload with block hashes)
+        self.block = wl.block_tokens
+        self.caching = self.profiled and any(r.block_hashes for r in self.reqs)
+        self.cache_capacity = params.prefix_cache_capacity(self.block) if self.caching else 0
+        self.hits = np.zeros(n, dtype=np.int64)  # cached blocks at admission
+        self.admitted_uncached = 0.0  # uncached tokens of the prompts replicas took
+        self.recent_uncached: deque[int] = deque(maxlen=RECENT_PROMPTS)
+
+    def _replica(self, role: str, started_s: float, ready_s: float, warm: bool) -> _Replica:
+        """A new replica; a prefill one gets an empty prefix cache when caching."""
+        cache = BlockCache(self.cache_capacity) if self.caching and role == "prefill" else None
+        return _Replica(role, started_s, ready_s, warm=warm, cache=cache)
 
     def push(self, t: float, kind: int, obj: Any) -> None:
         self.seq += 1
@@ -945,7 +1080,7 @@ class _Sim:
     def run(self) -> SimResult:
         for role, k in self.policy.initial().items():
             for _ in range(k):
-                self.alive[role].append(_Replica(role, 0.0, 0.0, warm=True))
+                self.alive[role].append(self._replica(role, 0.0, 0.0, True))
             self.target[role] = k
         for i, r in enumerate(self.reqs):
             self.push(r.arrival_s, _ARRIVAL, i)
@@ -1091,6 +1226,9 @@ class _Sim:
         requests in progress first, then the queue's head, FCFS, up to ``token_budget``
         tokens (the last one chunked), priced by the profile's ``step_cost``."""
         assert self.prof is not None
+        if self.caching:
+            self._prefill_steps_cached(now)
+            return
         budget_max = self.prof.token_budget
         for rep in self.alive["prefill"]:
             if not rep.warm or rep.stepping:
@@ -1124,6 +1262,71 @@ class _Sim:
             rep.busy_until = now + dur
             self.push(rep.busy_until, _PREFILL_DONE, rep)
 
+    def _prefill_steps_cached(self, now: float) -> None:
+        """:meth:`_prefill_steps` with prefix caches. A warm prefill replica not in a step
+        plans its requests in progress first; it has *room* for the rest of its
+        ``token_budget`` (none while draining). The queue's head, FCFS, goes to the replica
+        with room holding its longest cached prefix (ties: the least uncached tokens owed,
+        then the first): it skips the cached blocks (pinned until the prompt finishes) and
+        computes the rest from the cached position. Then every replica with a plan starts
+        its step. A replica in a step takes nothing until it ends (binding a request to a
+        busy holder was tried: on Mooncake it raised no hit ratio and lengthened TTFT)."""
+        assert self.prof is not None
+        budget_max = self.prof.token_budget
+        reps = [r for r in self.alive["prefill"] if r.warm and not r.stepping]
+        plans: list[list[tuple[list[int], int]]] = []
+        rooms: list[int] = []
+        loads: list[float] = []
+        for rep in reps:
+            owed = sum(self.reqs[e[0]].prompt_tokens - e[1] for e in rep.own)
+            plan: list[tuple[list[int], int]] = []
+            room = budget_max
+            for entry in rep.own:
+                if room <= 0:
+                    break
+                c = min(self.reqs[entry[0]].prompt_tokens - entry[1], room)
+                plan.append((entry, c))
+                room -= c
+            plans.append(plan)
+            rooms.append(room if not rep.draining else 0)
+            loads.append(float(owed))
+        while self.pq:
+            open_ = [k for k in range(len(reps)) if rooms[k] > 0]
+            if not open_:
+                break
+            i = self.pq.popleft()
+            req = self.reqs[i]
+            self.pq_tokens -= req.prompt_tokens
+            hits = [
+                cached_blocks(reps[k].cache, req.block_hashes, req.prompt_tokens, self.block)
+                for k in open_
+            ]
+            j = pick_prefill([(h, loads[k]) for h, k in zip(hits, open_, strict=True)])
+            k, h = open_[j], hits[j]
+            rep = reps[k]
+            if rep.ready_s > req.arrival_s:
+                self.cold[i] |= 1
+            if h:
+                assert rep.cache is not None
+                rep.cache.acquire(req.block_hashes[:h])
+            self.hits[i] = h
+            cached = h * self.block
+            self.admitted_uncached += req.prompt_tokens - cached
+            entry = [i, cached]
+            rep.own.append(entry)
+            need = max(1, req.prompt_tokens - cached)
+            plans[k].append((entry, min(need, rooms[k])))
+            rooms[k] -= need
+            loads[k] += need
+        for rep, plan in zip(reps, plans, strict=True):
+            if not plan:
+                continue
+            dur = self.prof.step_cost.seconds((c, e[1]) for e, c in plan)
+            rep.plan = plan
+            rep.stepping = True
+            rep.busy_until = now + dur
+            self.push(rep.busy_until, _PREFILL_DONE, rep)
+
     def prefill_step_done(self, rep: _Replica, now: float) -> None:
         rep.stepping = False
         for entry, c in rep.plan:
@@ -1131,6 +1334,10 @@ class _Sim:
             i = entry[0]
             if entry[1] >= max(1, self.reqs[i].prompt_tokens):
                 rep.own.remove(entry)
+                if rep.cache is not None:
+                    req = self.reqs[i]
+                    register_prefix(rep.cache, req.block_hashes, int(self.hits[i]))
+                    self.recent_uncached.append(req.prompt_tokens - int(self.hits[i]) * self.block)
                 self.prefills_done += 1
                 self.prefill_done_s[i] = now
                 self.arrivals["decode"] += 1
@@ -1234,9 +1441,19 @@ class _Sim:
                 in_progress = len(busy)
                 remaining = sum(max(0.0, r.busy_until - now) * self.mu for r in busy)
             q = len(self.pq)
-            recent = np.fromiter(self.recent_prompts, float)
-            p99 = float(np.percentile(recent, 99)) if recent.size else None
-            mean = float(recent.mean()) if recent.size else None
+            mean: float | None
+            p99: float | None
+            if self.caching:  # what the replicas report: their prefilled prompts' uncached
+                mean, p99 = prompt_moments(list(self.recent_uncached))
+                if not self.recent_uncached:
+                    mean = p99 = None
+                # taken: uncached as admitted; queued: whole (no replica has matched it yet)
+                taken = self.admitted_uncached + self.pq_tokens
+            else:
+                recent = np.fromiter(self.recent_prompts, float)
+                p99 = float(np.percentile(recent, 99)) if recent.size else None
+                mean = float(recent.mean()) if recent.size else None
+                taken = self.arrived_tokens
             return RoleObs(
                 running=len(running),
                 starting=starting,
@@ -1244,7 +1461,7 @@ class _Sim:
                 handle_queued=0 if running else q,
                 ongoing=q + in_progress,
                 queued_tokens=remaining + (self.pq_tokens if running else 0.0),
-                tokens_total=self.arrived_tokens - (0.0 if running else self.pq_tokens),
+                tokens_total=taken - (0.0 if running else self.pq_tokens),
                 tokens_per_s=self.mu if self.prefills_done else None,
                 token_load=0.0,
                 window_tokens=None,
@@ -1296,7 +1513,7 @@ class _Sim:
         live = [r for r in self.alive[role] if not r.draining]
         if n > len(live):
             for _ in range(n - len(live)):
-                rep = _Replica(role, now, now + self.cold_s)
+                rep = self._replica(role, now, now + self.cold_s, False)
                 self.alive[role].append(rep)
                 self.ups[role] += 1
                 if self.cold_s <= 0:
@@ -1364,6 +1581,8 @@ class _Sim:
         cold = cold_all != 0
         kept_ttft = self.ttft[keep]
         ttft = kept_ttft[~np.isnan(kept_ttft)]
+        prompt = np.array([r.prompt_tokens for r in self.reqs], dtype=float)[keep]
+        cached = (self.hits * self.block).astype(float)[keep]
         metrics: dict[str, Any] = {
             "cold_start_fraction": float(cold.mean()) if n else 0.0,
             "from_zero_fraction": float(self.from_zero[keep].mean()) if n else 0.0,
@@ -1383,6 +1602,11 @@ class _Sim:
             "itl_p99_s": self._itl_quantile(0.99),
             "itl_mean_s": self._itl_mean(),
             "engine": self.p.engine,
+            # cached prompt tokens / prompt tokens (profile engine; None: no cache modelled)
+            "cache_hit_ratio": (float(cached.sum() / prompt.sum()) if prompt.sum() else 0.0)
+            if self.profiled
+            else None,
+            "prefix_cache_blocks": self.cache_capacity if self.caching else None,
             "n_requests": n,
             "completed": self.completed,
         }
@@ -1578,6 +1802,7 @@ def table_rows(results: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
         "ups",
         "downs",
         "peak_P/D",
+        "cache_hit",
     ]
     rows = []
     for key, m in results.items():
@@ -1596,6 +1821,7 @@ def table_rows(results: dict[str, Any]) -> tuple[list[str], list[list[Any]]]:
                 m["scale_ups"],
                 m["scale_downs"],
                 f"{m['peak_replicas']['prefill']}/{m['peak_replicas']['decode']}",
+                _r(m.get("cache_hit_ratio")),
             ]
         )
     return headers, rows

@@ -28,7 +28,11 @@ def autoscale(
         None, help="servegen-language | servegen-reason (or use --trace)."
     ),
     trace: Path | None = typer.Option(None, help="Replay a trace file instead of a scenario."),
-    trace_format: str = typer.Option("azure", help="azure (with --trace)."),
+    trace_format: str = typer.Option(
+        "azure",
+        help="azure or mooncake (with --trace); mooncake's hash_ids feed the prefix cache "
+        "of --engine profile.",
+    ),
     policies: str = typer.Option(
         "always_on,serve_default,serverlessllm,warm_pool,slo", help="Policies, comma-separated."
     ),
@@ -84,6 +88,12 @@ def autoscale(
     ),
     profile: str = typer.Option(
         "a6000_llama31_8b", help="--engine profile: engine profile (shipped name or path)."
+    ),
+    prefix_cache_blocks: int | None = typer.Option(
+        None,
+        min=1,
+        help="--engine profile with a trace of block hashes (mooncake): each prefill "
+        "replica's prefix cache in the trace's blocks (default: the profile's KV).",
     ),
     warmup: float = typer.Option(
         0.0, min=0.0, help="Seconds at the start not counted (requests and replica-seconds)."
@@ -141,7 +151,7 @@ def autoscale(
     from bench.sim.autoscale import (
         slo_sweep as run_slo_sweep,
     )
-    from bench.workloads.traces import load_azure
+    from bench.workloads.traces import MOONCAKE_BLOCK_TOKENS, load_azure, load_mooncake
 
     if (scenario is None) == (trace is None):
         raise typer.BadParameter(
@@ -156,9 +166,9 @@ def autoscale(
             raise typer.BadParameter("loads must be > 0", param_hint="--loads")
     names = csv_known(policies, POLICY_NAMES, "policies", "--policies")
     if trace is not None:
-        if trace_format != "azure":
+        if trace_format not in ("azure", "mooncake"):
             raise typer.BadParameter(
-                f"expected azure, got {trace_format!r}", param_hint="--trace-format"
+                f"expected azure or mooncake, got {trace_format!r}", param_hint="--trace-format"
             )
         if not trace.exists():
             raise typer.BadParameter(f"no such file: {trace}", param_hint="--trace")
@@ -180,6 +190,7 @@ def autoscale(
         engine=engine,  # type: ignore[arg-type]
         profile=profile,
         warmup_s=warmup,
+        prefix_cache_blocks=prefix_cache_blocks,
     )
     if engine == "profile":
         try:
@@ -198,7 +209,8 @@ def autoscale(
     if pareto_out is not None and (not kas or any(k <= 0 for k in kas)):
         raise typer.BadParameter("keep-alives must be > 0", param_hint="--pareto-keep-alives")
 
-    records = load_azure(trace) if trace is not None else None
+    loader = load_mooncake if trace_format == "mooncake" else load_azure
+    records = loader(trace) if trace is not None else None
     if records is not None and max_requests is not None:
         records = records[:max_requests]
     if records is not None and not records:
@@ -220,7 +232,7 @@ def autoscale(
     for x in load_list:
         label = f"{x:g}x"
         if records is not None:
-            wl = trace_workload(records, f"azure:{trace.name if trace else ''}", load=x)
+            wl = trace_workload(records, f"{trace_format}:{trace.name if trace else ''}", load=x)
         else:
             assert scenario is not None
             wl = servegen_workload(
@@ -326,6 +338,13 @@ def autoscale(
             if engine == "simple"
             else f"engine profile {profile} ({params.prefill_rate():.0f} tok/s per prefill "
             f"replica at full steps)"
+        )
+        + (
+            f"; per prefill replica a prefix cache of "
+            f"{params.prefix_cache_capacity(MOONCAKE_BLOCK_TOKENS)} blocks of "
+            f"{MOONCAKE_BLOCK_TOKENS} tokens (the trace's hash_ids)"
+            if engine == "profile" and trace_format == "mooncake" and trace is not None
+            else ""
         )
         + (f"; first {warmup:g} s not counted" if warmup > 0 else "")
     )
