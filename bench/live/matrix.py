@@ -349,6 +349,24 @@ def with_keys(reqs: Sequence[LiveRequest], keys: Mapping[str, str] | None) -> li
     return out
 
 
+def tenant_config(config: Mapping[str, Any], key_hashes: Mapping[str, str]) -> dict[str, Any]:
+    """A pdserve Serve config (as a dict) for ``multi_tenant``: keys required
+    (``ingress.auth: keys``), ``key_hashes`` (``sha256:...`` -> tenant) as the tenants' keys,
+    and the prefill scheduler's fair share among tenants on (``fair_share: true``; off by
+    default) where the prefill scheduler takes a config (not vLLM's stock one)."""
+    raw = json.loads(json.dumps(config))
+    args = raw["applications"][0].setdefault("args", {})
+    args.setdefault("ingress", {})["auth"] = "keys"
+    args.setdefault("tenants", {})["key_hashes"] = dict(key_hashes)
+    prefill = args.setdefault("prefill", {})
+    if prefill.get("scheduler_cls"):
+        prefill["scheduler_config"] = {
+            **(prefill.get("scheduler_config") or {}),
+            "fair_share": True,
+        }
+    return raw
+
+
 # ---------------------------------------------------------------------------------------------
 # Running the matrix
 
@@ -762,8 +780,8 @@ def live_requests(
 def live_runner(model: str, progress: bool = True) -> RunSystem:
     """The per-system run: :func:`bench.live.compare.measure` (a fresh Ray head, deploy,
     replay, tear down). ``multi_tenant`` cells give pdserve two tenant keys (fresh each run,
-    only their hashes in the config, ``ingress.auth: keys``) so its fair share applies; the
-    peer gets the same requests without keys."""
+    only their hashes in the config) and its fair share (:func:`tenant_config`); the peer
+    gets the same requests without keys."""
     from bench.live.compare import SYSTEMS, measure, pdserve_config, peer_config
     from cluster.tenants import hash_key, new_key
 
@@ -781,11 +799,7 @@ def live_runner(model: str, progress: bool = True) -> RunSystem:
             cfg = pdserve_config(config, sys_)
             if cell.workload == "multi_tenant":
                 keys = {t: new_key() for t in ("quiet", "flood")}
-                args = cfg["applications"][0]["args"]
-                args.setdefault("ingress", {})["auth"] = "keys"
-                args.setdefault("tenants", {})["key_hashes"] = {
-                    hash_key(k): t for t, k in keys.items()
-                }
+                cfg = tenant_config(cfg, {hash_key(k): t for t, k in keys.items()})
                 reqs, probe_key = with_keys(reqs, keys), keys["quiet"]
         else:
             cfg = peer_config(config, sys_)

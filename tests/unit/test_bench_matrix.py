@@ -310,3 +310,16 @@ def test_figures_from_a_replay_summary() -> None:
     assert f["requests_per_s"] == 2.0 and f["throughput"] == 50.0
     assert f["quiet_ttft_p99"] == 0.5 and f["ttft_p99"] == 0.9
     assert mx.figures(summary)["quiet_ttft_p99"] is None
+
+
+def test_multi_tenant_config_requires_keys_and_turns_the_fair_share_on() -> None:
+    from bench.live.compare import SYSTEMS, pdserve_config
+
+    base = {"applications": [{"args": {"prefill": {"scheduler_config": {"profile": "auto"}}}}]}
+    cfg = mx.tenant_config(pdserve_config(base, SYSTEMS["pdserve"]), {"sha256:ab": "quiet"})
+    args = cfg["applications"][0]["args"]
+    assert args["ingress"]["auth"] == "keys"
+    assert args["tenants"]["key_hashes"] == {"sha256:ab": "quiet"}
+    assert args["prefill"]["scheduler_config"] == {"profile": "auto", "fair_share": True}
+    stock = mx.tenant_config(pdserve_config(base, SYSTEMS["pdserve-fcfs-rr"]), {})
+    assert "scheduler_config" not in stock["applications"][0]["args"]["prefill"]
