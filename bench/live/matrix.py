@@ -629,14 +629,13 @@ def report(res: Mapping[str, Any], out: Path) -> list[Path]:
         f"the cached ratio, lower for the latencies.",
         "",
     ]
-    for k, v in (res.get("notes") or {}).items():
-        lines.append(f"- {k}: {v}")
+    lines += [f"- {k}: {v}" for k, v in (res.get("notes") or {}).items()]
     if res.get("capacity_rps"):
-        lines += ["", "Capacity (the reference's closed-loop requests/s): " + ", ".join(
-            f"{k} {v:.3f}" for k, v in res["capacity_rps"].items()
-        )]  # fmt: skip
+        caps = ", ".join(f"{k} {v:.3f}" for k, v in res["capacity_rps"].items())
+        lines += ["", f"Capacity (the reference's closed-loop requests/s): {caps}"]
+    if lines[-1]:
+        lines.append("")
     lines += [
-        "",
         "| cell | status | " + " | ".join(metrics) + " | goals |",
         "|---|---|" + "---|" * len(metrics) + "---|",
     ]
