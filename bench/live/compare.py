@@ -53,13 +53,13 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from bench.live.replay import replay, summarize, write_report
+from bench.live.replay import LiveResult, replay, summarize, write_report
 from bench.workloads.replay import LiveRequest
 from deployments.local import local_env, venv_bin, with_allocator
 
@@ -395,8 +395,11 @@ def start_ray(env: Mapping[str, str], attempts: int = 3) -> int:
     raise RuntimeError(f"ray start failed {attempts} times; last: {err}")
 
 
-def first_token(url: str, model: str, timeout_s: float, text: str = "ready") -> float:
-    """Poll a one-token completion until it answers 200; the seconds it took."""
+def first_token(
+    url: str, model: str, timeout_s: float, text: str = "ready", key: str | None = None
+) -> float:
+    """Poll a one-token completion (sent with ``key`` when given) until it answers 200; the
+    seconds it took."""
     import httpx
 
     t0 = time.monotonic()
@@ -406,6 +409,7 @@ def first_token(url: str, model: str, timeout_s: float, text: str = "ready") -> 
             r = httpx.post(
                 f"{url}/v1/completions",
                 json={"model": model, "prompt": text, "max_tokens": 1},
+                headers={"Authorization": f"Bearer {key}"} if key else {},
                 timeout=min(60.0, max(1.0, timeout_s - (time.monotonic() - t0))),
             )
             if r.status_code == 200:
@@ -459,6 +463,8 @@ class Measured:
     rss_idle_bytes: int
     rss_peak_bytes: int
     idle_cpu_percent: float
+    #: the replay's per-request results, in request order
+    results: list[LiveResult] = field(default_factory=list)
 
 
 def measure(
@@ -473,8 +479,10 @@ def measure(
     ready_timeout_s: float = 900.0,
     idle_s: float = 15.0,
     progress: bool = True,
+    key: str | None = None,
 ) -> Measured:
-    """Bring one system up on a fresh Ray head, measure it, replay ``reqs``, bring it down."""
+    """Bring one system up on a fresh Ray head, measure it, replay ``reqs``, bring it down.
+    ``key``: the API key of the readiness probe (a config with ``ingress.auth: keys``)."""
     from tqdm import tqdm
 
     env = local_env()
@@ -491,7 +499,7 @@ def measure(
         path.write_text(yaml.safe_dump(config, sort_keys=False))
         t0 = time.monotonic()
         _serve_run(path, system, env)
-        first_token(url, model, max(1.0, ready_timeout_s - (time.monotonic() - t0)))
+        first_token(url, model, max(1.0, ready_timeout_s - (time.monotonic() - t0)), key=key)
         deploy_s = time.monotonic() - t0
         time.sleep(idle_s)  # settle after start-up
         idle_cpu = watch.cpu_percent(idle_s)
@@ -521,7 +529,7 @@ def measure(
         (out / name / "summary.json").write_text(json.dumps(summary, indent=2))
         ttfts = sorted(r.ttft_s for r in results if r.ok and r.ttft_s is not None)
         (out / name / "ttft.json").write_text(json.dumps(ttfts))
-        return Measured(summary, deploy_s, rss_idle, watch.peak_rss, idle_cpu)
+        return Measured(summary, deploy_s, rss_idle, watch.peak_rss, idle_cpu, list(results))
     finally:
         down()
 

@@ -52,6 +52,7 @@ async def _one(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    key = r.key or key
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     sent = time.monotonic()
     res = LiveResult(sent_s=sent - t0, ok=False)

@@ -53,6 +53,8 @@ class LiveRequest:
     label: str = ""
     #: the prompt as text, sent instead of ``ids`` when set (for endpoints that route on text)
     text: str | None = None
+    #: API key this request is sent with (its tenant's), instead of the replay's one key
+    key: str | None = None
 
 
 def block_run(key: int, n: int, vocab: int, seed: int) -> list[int]:

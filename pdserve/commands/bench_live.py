@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -151,6 +152,111 @@ def bench_live(
     typer.echo(f"wrote {out}/summary.json and {out}/report.md")
 
 
+#: ``bench compare``'s systems by default: every pdserve variant and both peers
+COMPARE_SYSTEMS = (
+    "pdserve",
+    "pdserve-fcfs-rr",
+    "pdserve-fairway",
+    "pdserve-twp",
+    "peer-connector",
+    "peer",
+)
+#: ``bench compare --matrix``'s: pdserve and the reference (each run costs minutes)
+MATRIX_SYSTEMS = ("pdserve", "peer-connector")
+
+
+def _bench_matrix(
+    out: Path,
+    config: Path,
+    preset: str,
+    systems: str,
+    repeats: int,
+    cells: str | None,
+    workload: ReplayWorkload,
+) -> None:
+    """``bench compare --matrix``: checks every option before anything starts (a bad cell
+    or system is a usage error naming it), then :func:`bench.live.matrix.run_matrix` with
+    the live runner. Of the replay options it takes ``--limit``, ``--max-tokens``,
+    ``--vocab`` and ``--seed``; the cells define the rest."""
+    import yaml
+
+    from bench.live.compare import SYSTEMS, with_preset
+    from bench.live.matrix import REFERENCE, parse_cells
+
+    try:
+        selected = parse_cells(cells)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--cells") from None
+    names = [s.strip() for s in systems.split(",") if s.strip()]
+    bad = [n for n in names if n not in SYSTEMS]
+    if bad or not names or REFERENCE not in names:
+        raise typer.BadParameter(
+            f"unknown {bad}; known: {', '.join(SYSTEMS)}"
+            if bad
+            else f"the matrix needs the reference {REFERENCE} among the systems",
+            param_hint="--systems",
+        )
+    w = workload
+    fixed = {
+        "--trace": w.trace is not None,
+        "--rate": w.rate is not None,
+        "--concurrency": w.concurrency is not None,
+        "--scenario": w.scenario not in (None, "rag"),
+        "--time-scale": w.time_scale != 1.0,
+        "--length-scale": w.length_scale != 1.0,
+    }
+    given = [k for k, v in fixed.items() if v]
+    if given:
+        raise typer.BadParameter(
+            f"{', '.join(given)}: with --matrix the cells set the workload and the load",
+            param_hint="--matrix",
+        )
+    if not config.exists():
+        raise typer.BadParameter(f"{config} does not exist", param_hint="--config")
+    if preset not in ("test", "bench", "config"):
+        raise typer.BadParameter(
+            f"{preset!r}: expected test, bench or config", param_hint="--preset"
+        )
+    base = with_preset(yaml.safe_load(config.read_text()), None if preset == "config" else preset)
+
+    from tokenizers import Tokenizer
+
+    from bench.live.matrix import live_requests, live_runner, run_matrix
+    from deployments.app import ensure_model
+    from deployments.config import load_app_config
+
+    cfg = load_app_config(base["applications"][0].get("args") or {})
+    ensure_model(cfg)
+    tok = Tokenizer.from_file(str(cfg.model.resolved_path() / "tokenizer.json"))
+    build, pressure = live_requests(
+        base, vocab=w.vocab, max_tokens=w.max_tokens, limit=w.limit, tokenizer=tok
+    )
+    typer.echo(
+        f"{len(selected)} cells x {repeats} repeats x {len(names)} systems "
+        f"({len(selected) * repeats * len(names)} runs, each a fresh Ray head, deploy and "
+        f"replay: minutes each); cache_pressure: {pressure.explain()}"
+    )
+
+    def said(rec: dict[str, Any]) -> None:
+        typer.echo(
+            f"{rec['cell']} #{rec['repeat'] + 1} {rec['system']}: {rec.get('error') or 'done'}"
+        )
+
+    run_matrix(
+        selected,
+        out,
+        run_system=live_runner(cfg.model.served_name),
+        build=build,
+        base=base,
+        systems=names,
+        repeats=repeats,
+        seed=w.seed,
+        notes={"config": str(config), "preset": preset, "cache_pressure": pressure.explain()},
+        on_run=said,
+    )
+    typer.echo((out / "report.md").read_text())
+
+
 @bench_app.command("compare")
 @replay_options(
     scenario={
@@ -167,18 +273,25 @@ def bench_compare(
     preset: str = typer.Option(
         "bench", help="Model for every system: test or bench (built locally), or config (its own)."
     ),
-    systems: str = typer.Option(
-        ",".join(
-            (
-                "pdserve",
-                "pdserve-fcfs-rr",
-                "pdserve-fairway",
-                "pdserve-twp",
-                "peer-connector",
-                "peer",
-            )
-        ),
-        help="Systems, comma-separated, brought up one at a time in this order.",
+    systems: str | None = typer.Option(
+        None,
+        help="Systems, comma-separated, brought up one at a time in this order (default: "
+        + ",".join(COMPARE_SYSTEMS)
+        + "; with --matrix: "
+        + ",".join(MATRIX_SYSTEMS)
+        + ").",
+    ),
+    matrix: bool = typer.Option(
+        False,
+        "--matrix",
+        help="Run the matrix of repeated runs (layout x load x workload cells, see "
+        "docs/benchmarks.md) instead of one run of the replay options' workload.",
+    ),
+    repeats: int = typer.Option(3, min=1, help="With --matrix: runs per cell and system."),
+    cells: str | None = typer.Option(
+        None,
+        help="With --matrix: cells, comma-separated layout/load/workload ('*' for any part), "
+        "e.g. two_prefill/closed8/rag,pair/open0.9/burst (default: all 32).",
     ),
     *,
     workload: ReplayWorkload,
@@ -186,7 +299,8 @@ def bench_compare(
     """pdserve side by side with Ray Serve LLM's prefill/decode app on the same replay and
     engines, one system up at a time (each on a fresh local Ray head; nothing else may run on
     its port): TTFT, ITL, throughput, cached-token ratio, deploy time, memory and idle CPU,
-    with ratios to the peer and a report with plots in OUT."""
+    with ratios to the peer and a report with plots in OUT. With --matrix: every selected
+    cell repeated, the median ratios and their spread, goals and a heat map in OUT."""
     import yaml
 
     from bench.live.compare import SYSTEMS, as_text, run, with_preset
@@ -194,6 +308,11 @@ def bench_compare(
     from bench.workloads.traces import TraceFormatError
     from deployments.config import load_app_config
 
+    if systems is None:
+        systems = ",".join(MATRIX_SYSTEMS if matrix else COMPARE_SYSTEMS)
+    if matrix:
+        _bench_matrix(out, config, preset, systems, repeats, cells, workload)
+        return
     if workload.trace is not None:
         workload = dataclasses.replace(workload, scenario=None)  # the trace wins
     if not config.exists():

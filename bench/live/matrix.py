@@ -1,0 +1,821 @@
+"""pdserve against Ray Serve LLM over a matrix of repeated runs (``pdserve bench compare
+--matrix``, issue 39): one live run's median differs from the next by up to 1.45x, so a single
+side-by-side run (:mod:`bench.live.compare`) cannot tell a 0.8x from noise.
+
+Cells are ``layout/load/workload``:
+
+- layout: ``pair`` (one prefill + one decode replica) or ``two_prefill`` (two prefill + one
+  decode: ``configs/pd_cluster.yaml``'s own counts). Every other setting is the base config's.
+- load: ``closed8`` (closed loop, 8 clients) or ``open0.5`` / ``open0.9`` / ``open1.2``
+  (Poisson arrivals at that fraction of the reference's capacity). Capacity is the
+  reference's (``peer-connector``) completed requests per second in the ``closed8`` cell of
+  the same layout and workload, its median over the repeats; that cell runs first. When it
+  is not among the selected cells, the reference alone runs it once, for capacity only
+  (``capacity_runs`` in the JSON), which is cheaper and noisier than a selected cell.
+- workload: ``rag`` (the shared-document RAG mix, :mod:`bench.workloads.rag`);
+  ``cache_pressure`` (the same mix over more documents, see :func:`cache_pressure_mix`);
+  ``multi_tenant`` (two tenants, ``flood`` at 10x the rate of ``quiet``, see
+  :func:`multi_tenant_requests`); ``burst`` (the prefill simulator's ``sec-spike``
+  scenario, its quick variant: calm, burst, then a spike at 1.75x, prompts halved in length
+  for this machine, and its arrivals stretched so that their mean rate is the cell's rate).
+
+Repeats and order: each cell runs ``repeats`` times (3 by default); repeat ``r`` runs the
+systems in the given order when ``r`` is even and reversed when odd (AB, BA, AB, ...), so
+that a system is not always the one that runs on a machine warmed (or heated) by the other.
+Within a repeat every system gets the very same requests: one list built with seed
+``seed + r`` (arrival times included). Different repeats draw different seeds, so the spread
+covers the workload's draw as well as the run's noise.
+
+Ratios are pdserve over the reference, **paired by repeat** (the same requests on both
+sides): per cell and metric, the median over repeats of the per-repeat ratios, and their
+spread as **min-max** (with three repeats an IQR is barely defined). A repeat where either
+side failed contributes no ratio. Metrics: throughput (output tokens/s), TTFT p50 and p99,
+ITL p99, cached-token ratio, and for ``multi_tenant`` the quiet tenant's TTFT p99.
+
+Goals (over the median ratios): every cell throughput >= 1.0x and TTFT p50, p99 <= 1.0x;
+``two_prefill/open0.9`` of ``cache_pressure`` and ``burst``: TTFT p50 and p99 <= 0.7x;
+``multi_tenant``: the quiet tenant's TTFT p99 <= 0.5x. Each is met, missed or "no data".
+
+Everything here is pure but :func:`live_runner` and :func:`live_requests`: the per-system
+run is a callable (:data:`RunSystem`) so that the unit tests stand it in. Results are
+``simulated: false`` and keep every run's raw figures.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from bench.workloads.replay import LiveRequest
+
+#: The denominator of every ratio (as in :mod:`bench.live.compare`).
+REFERENCE = "peer-connector"
+DEFAULT_SYSTEMS = ("pdserve", REFERENCE)
+#: layout -> (prefill replicas, decode replicas)
+LAYOUTS: dict[str, tuple[int, int]] = {"pair": (1, 1), "two_prefill": (2, 1)}
+#: load -> (closed-loop clients, open-loop fraction of capacity): exactly one is set
+LOADS: dict[str, tuple[int | None, float | None]] = {
+    "closed8": (8, None),
+    "open0.5": (None, 0.5),
+    "open0.9": (None, 0.9),
+    "open1.2": (None, 1.2),
+}
+WORKLOADS = ("rag", "cache_pressure", "multi_tenant", "burst")
+#: metric -> whether higher is better (the heat map's caption says which way is good)
+METRICS: dict[str, bool] = {
+    "throughput": True,
+    "ttft_p50": False,
+    "ttft_p99": False,
+    "itl_p99": False,
+    "cached_token_ratio": True,
+    "quiet_ttft_p99": False,
+}
+#: ``cache_pressure``'s document popularity: flatter than the RAG mix's 1.1 so that most
+#: documents come back (with 86 documents and 172 requests at seed 0, 69 are requested:
+#: 106k tokens, still 1.2x one replica's cache)
+CACHE_PRESSURE_ZIPF = 0.3
+#: the quiet tenant's share of the ``multi_tenant`` arrivals: the flood sends 10x its rate
+FLOOD_FACTOR = 10
+
+
+@dataclass(frozen=True, order=True)
+class Cell:
+    """One cell of the matrix: ``layout/load/workload``."""
+
+    layout: str
+    load: str
+    workload: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.layout}/{self.load}/{self.workload}"
+
+    @property
+    def concurrency(self) -> int | None:
+        return LOADS[self.load][0]
+
+    @property
+    def load_factor(self) -> float | None:
+        return LOADS[self.load][1]
+
+    @property
+    def capacity_cell(self) -> Cell:
+        """The closed-loop cell whose reference throughput sets this cell's rate."""
+        return Cell(self.layout, "closed8", self.workload)
+
+
+def all_cells() -> list[Cell]:
+    """Every cell, layout-major, then load (closed loop first), then workload."""
+    return [Cell(a, b, c) for a in LAYOUTS for b in LOADS for c in WORKLOADS]
+
+
+def parse_cells(spec: str | None) -> list[Cell]:
+    """The cells of ``--cells`` (comma-separated ``layout/load/workload``; ``*`` matches any
+    part, e.g. ``two_prefill/*/rag``); all cells for None or empty. ``ValueError`` naming
+    each bad cell and the known parts."""
+    if not spec or not spec.strip():
+        return all_cells()
+    parts = {"layout": list(LAYOUTS), "load": list(LOADS), "workload": list(WORKLOADS)}
+    out: list[Cell] = []
+    bad: list[str] = []
+    for raw in (x.strip() for x in spec.split(",")):
+        if not raw:
+            continue
+        bits = raw.split("/")
+        if len(bits) != 3:
+            bad.append(f"{raw!r} (expected layout/load/workload)")
+            continue
+        choices = []
+        for (what, known), bit in zip(parts.items(), bits, strict=True):
+            if bit == "*":
+                choices.append(known)
+            elif bit in known:
+                choices.append([bit])
+            else:
+                bad.append(f"{raw!r} (unknown {what} {bit!r}; known: {', '.join(known)})")
+                break
+        else:
+            for a in choices[0]:
+                for b in choices[1]:
+                    for c in choices[2]:
+                        cell = Cell(a, b, c)
+                        if cell not in out:
+                            out.append(cell)
+    if bad:
+        raise ValueError("bad cell " + "; ".join(bad))
+    return out
+
+
+def run_order(systems: Sequence[str], repeats: int) -> list[list[str]]:
+    """The systems' order in each repeat: as given in even repeats, reversed in odd ones."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    return [list(systems) if r % 2 == 0 else list(reversed(systems)) for r in range(repeats)]
+
+
+def schedule(cells: Sequence[Cell]) -> list[Cell]:
+    """``cells`` in run order: each closed-loop cell before the open-loop cells it sets the
+    rate of, otherwise in the given order."""
+    closed = [c for c in cells if c.concurrency is not None]
+    return closed + [c for c in cells if c.concurrency is None]
+
+
+def open_rate(capacity_rps: float, factor: float) -> float:
+    """The Poisson rate of an open-loop cell: ``factor`` x the reference's capacity."""
+    if not capacity_rps > 0:
+        raise ValueError(f"capacity must be > 0 requests/s, got {capacity_rps}")
+    return capacity_rps * factor
+
+
+def layout_config(base: Mapping[str, Any], layout: str) -> dict[str, Any]:
+    """``base`` (a Serve YAML as a dict) with the layout's replica counts; the peer's config
+    is derived from it, so both systems get them."""
+    prefill, decode = LAYOUTS[layout]
+    raw = json.loads(json.dumps(base))
+    args = raw["applications"][0].setdefault("args", {})
+    args.setdefault("prefill", {})["num_replicas"] = prefill
+    args.setdefault("decode", {})["num_replicas"] = decode
+    return raw
+
+
+# ---------------------------------------------------------------------------------------------
+# Workloads
+
+
+def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int) -> int:
+    """KV cache bytes one token takes: a key and a value per layer and KV head."""
+    return 2 * layers * kv_heads * head_dim * dtype_bytes
+
+
+@dataclass(frozen=True)
+class CachePressure:
+    """The ``cache_pressure`` mix's sizing and the arithmetic behind it (in the report)."""
+
+    tokens_per_replica: int
+    prefill_replicas: int
+    doc_tokens: int
+    documents: int
+    requests: int
+
+    @property
+    def working_set_tokens(self) -> int:
+        return self.documents * self.doc_tokens
+
+    def explain(self) -> str:
+        return (
+            f"{self.documents} documents x {self.doc_tokens} tokens = "
+            f"{self.working_set_tokens} tokens, 1.5x one prefill replica's KV cache "
+            f"({self.tokens_per_replica} tokens) and "
+            f"{self.working_set_tokens / (self.tokens_per_replica * self.prefill_replicas):.2f}x "
+            f"all {self.prefill_replicas} replicas' together; {self.requests} requests"
+        )
+
+
+def cache_pressure_mix(
+    kv_cache_bytes: int,
+    bytes_per_token: int,
+    *,
+    prefill_replicas: int = 2,
+    doc_blocks: int = 12,
+    block_size: int = 128,
+    passes: float = 2.0,
+) -> CachePressure:
+    """Documents whose working set is 1.5x one prefill replica's KV cache: more than one
+    replica holds, less than two hold together (so routing by prefix decides the hit rate),
+    with documents of the RAG mix's size (``doc_blocks`` blocks). ``passes``: requests per
+    document on average, so each document is seen again after it may have been evicted.
+    With the ``bench`` model in float32 (6 layers, 4 KV heads of 64: 12,288 bytes a token)
+    and ``kv_cache_gib: 1``: 87,381 tokens a replica, 86 documents of 1,536 tokens (132,096
+    tokens), 172 requests."""
+    per_replica = kv_cache_bytes // bytes_per_token
+    doc_tokens = doc_blocks * block_size
+    documents = math.ceil(1.5 * per_replica / doc_tokens)
+    if documents * doc_tokens >= per_replica * max(2, prefill_replicas):
+        raise ValueError("documents do not fit all prefill replicas' caches together")
+    return CachePressure(
+        per_replica, max(2, prefill_replicas), doc_tokens, documents, math.ceil(passes * documents)
+    )
+
+
+def rag_requests(
+    vocab: int, seed: int, max_tokens: int, *, documents: int = 16, requests: int = 120,
+    zipf_s: float = 1.1, label: str = "",
+) -> list[LiveRequest]:  # fmt: skip
+    """The RAG mix as replay requests (at its own arrivals: the caller reshapes them)."""
+    from bench.workloads.rag import RagMix, rag_mix
+
+    mix = RagMix(
+        requests=requests, documents=documents, zipf_s=zipf_s, max_tokens=max_tokens, seed=seed
+    )
+    return [
+        LiveRequest(a.at_s, tuple(a.ids), max_tokens, label or f"doc{a.doc}")
+        for a in rag_mix(mix, vocab)
+    ]
+
+
+def multi_tenant_requests(
+    vocab: int, seed: int, max_tokens: int, rate: float, requests: int = 132
+) -> list[LiveRequest]:
+    """Two tenants' RAG mixes merged by arrival: ``flood`` at ``FLOOD_FACTOR`` x the rate of
+    ``quiet``, ``rate`` requests/s together, their documents disjoint (different seeds).
+    Labels ``tenant:flood`` and ``tenant:quiet``; keys are set per system (:func:`with_keys`)."""
+    quiet_rate = rate / (FLOOD_FACTOR + 1)
+    n_quiet = max(1, round(requests / (FLOOD_FACTOR + 1)))
+    out = []
+    for name, r, n, s in (
+        ("quiet", quiet_rate, n_quiet, seed * 2 + 1),
+        ("flood", quiet_rate * FLOOD_FACTOR, requests - n_quiet, seed * 2),
+    ):
+        base = rag_requests(vocab, s, max_tokens, requests=n, label=f"tenant:{name}")
+        out += poisson(base, r, s)
+    return sorted(out, key=lambda x: x.at_s)
+
+
+def poisson(reqs: Sequence[LiveRequest], rate: float, seed: int) -> list[LiveRequest]:
+    """``reqs`` re-timed as a seeded Poisson process at ``rate`` per second (from 0)."""
+    from bench.workloads.replay import shape
+
+    out, _ = shape(reqs, rate=rate, seed=seed)
+    return out
+
+
+def stretch_to_rate(reqs: Sequence[LiveRequest], rate: float) -> list[LiveRequest]:
+    """``reqs`` with arrival offsets scaled so that their mean rate is ``rate``, keeping
+    their shape (a spike stays a spike)."""
+    if len(reqs) < 2 or reqs[-1].at_s <= reqs[0].at_s:
+        return list(reqs)
+    t0 = reqs[0].at_s
+    native = (len(reqs) - 1) / (reqs[-1].at_s - t0)
+    k = native / rate
+    return [replace(r, at_s=(r.at_s - t0) * k) for r in reqs]
+
+
+#: Builds a cell's requests: (cell, rate in requests/s or None for closed loop, seed)
+BuildRequests = Callable[[Cell, float | None, int], list[LiveRequest]]
+
+
+def workload_requests(
+    cell: Cell,
+    rate: float | None,
+    seed: int,
+    *,
+    vocab: int = 1000,
+    max_tokens: int = 16,
+    limit: int | None = None,
+    pressure: CachePressure | None = None,
+    max_prompt_tokens: int | None = None,
+) -> list[LiveRequest]:
+    """The requests (token ids) of ``cell`` at ``rate`` (None: closed loop, arrivals
+    unused) with ``seed``: the same arguments give the same list, arrivals included."""
+    from bench.workloads.replay import scenario_requests, shape
+
+    w = cell.workload
+    if w == "multi_tenant":
+        reqs = multi_tenant_requests(vocab, seed, max_tokens, rate or 1.0)
+    elif w == "burst":
+        reqs = scenario_requests("sec-spike", vocab, seed, max_tokens, quick=True)
+        reqs, _ = shape(reqs, length_scale=0.5)
+        reqs = [replace(r, max_tokens=max_tokens) for r in reqs]
+        if rate is not None:
+            reqs = stretch_to_rate(reqs, rate)
+    else:
+        if w == "cache_pressure":
+            if pressure is None:
+                raise ValueError("cache_pressure needs its sizing (cache_pressure_mix)")
+            reqs = rag_requests(
+                vocab, seed, max_tokens, documents=pressure.documents,
+                requests=pressure.requests, zipf_s=CACHE_PRESSURE_ZIPF,
+            )  # fmt: skip
+        else:
+            reqs = rag_requests(vocab, seed, max_tokens)
+        if rate is not None:
+            reqs = poisson(reqs, rate, seed)
+    reqs, _ = shape(reqs, limit=limit, max_prompt_tokens=max_prompt_tokens)
+    return reqs
+
+
+def with_keys(reqs: Sequence[LiveRequest], keys: Mapping[str, str] | None) -> list[LiveRequest]:
+    """``reqs`` with each ``tenant:NAME`` request sent with ``keys[NAME]`` (pdserve), or
+    with no key at all for None (the peer gets the same requests without tenants)."""
+    out = []
+    for r in reqs:
+        tenant = r.label.removeprefix("tenant:") if r.label.startswith("tenant:") else None
+        out.append(replace(r, key=(keys or {}).get(tenant) if tenant else None))
+    return out
+
+
+def tenant_config(config: Mapping[str, Any], key_hashes: Mapping[str, str]) -> dict[str, Any]:
+    """A pdserve Serve config (as a dict) for ``multi_tenant``: keys required
+    (``ingress.auth: keys``), ``key_hashes`` (``sha256:...`` -> tenant) as the tenants' keys,
+    and the prefill scheduler's fair share among tenants on (``fair_share: true``; off by
+    default) where the prefill scheduler takes a config (not vLLM's stock one)."""
+    raw = json.loads(json.dumps(config))
+    args = raw["applications"][0].setdefault("args", {})
+    args.setdefault("ingress", {})["auth"] = "keys"
+    args.setdefault("tenants", {})["key_hashes"] = dict(key_hashes)
+    prefill = args.setdefault("prefill", {})
+    if prefill.get("scheduler_cls"):
+        prefill["scheduler_config"] = {
+            **(prefill.get("scheduler_config") or {}),
+            "fair_share": True,
+        }
+    return raw
+
+
+# ---------------------------------------------------------------------------------------------
+# Running the matrix
+
+#: One system's live run: (system, cell, Serve config of the layout, requests, closed-loop
+#: clients or None, output folder) -> its figures (:func:`figures`' keys). Raises on failure.
+RunSystem = Callable[
+    [str, Cell, dict[str, Any], list[LiveRequest], int | None, Path], dict[str, Any]
+]
+
+
+def figures(
+    summary: Mapping[str, Any], quiet_ttfts: Sequence[float] | None = None
+) -> dict[str, Any]:
+    """One run's figures from a replay summary (:func:`bench.live.replay.summarize`):
+    ``requests_per_s`` is completed requests over the wall time (the capacity figure)."""
+    from bench.live.replay import _stats
+
+    wall = summary.get("wall_s") or 0.0
+    ok = (summary.get("requests") or 0) - (summary.get("errors") or 0)
+    return {
+        "throughput": summary.get("throughput_tps"),
+        "requests_per_s": ok / wall if wall > 0 else None,
+        "ttft_p50": (summary.get("ttft") or {}).get("p50"),
+        "ttft_p99": (summary.get("ttft") or {}).get("p99"),
+        "itl_p99": (summary.get("itl") or {}).get("p99"),
+        "cached_token_ratio": summary.get("cached_token_ratio"),
+        "quiet_ttft_p99": _stats(list(quiet_ttfts))["p99"] if quiet_ttfts else None,
+        "errors": summary.get("errors"),
+        "requests": summary.get("requests"),
+    }
+
+
+def spread(xs: Sequence[float]) -> dict[str, Any]:
+    """Median, min and max of ``xs`` (None each when empty)."""
+    if not xs:
+        return {"median": None, "min": None, "max": None, "n": 0}
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
+
+
+def cell_ratios(
+    runs: Sequence[Mapping[str, Any]], system: str, reference: str = REFERENCE
+) -> dict[str, dict[str, Any]]:
+    """Per metric, the median and min-max of ``system`` / ``reference`` over the repeats
+    where both ran (paired by repeat); ``runs`` are the cell's run records."""
+    by_rep: dict[int, dict[str, Mapping[str, Any]]] = {}
+    for r in runs:
+        if r.get("figures") is not None:
+            by_rep.setdefault(r["repeat"], {})[r["system"]] = r["figures"]
+    out = {}
+    for m in METRICS:
+        xs = []
+        for figs in by_rep.values():
+            a = (figs.get(system) or {}).get(m)
+            b = (figs.get(reference) or {}).get(m)
+            if a is not None and b:
+                xs.append(a / b)
+        out[m] = spread(xs)
+    return out
+
+
+def goals(cell: Cell, med: Mapping[str, float | None]) -> dict[str, bool | None]:
+    """The issue's goals for this cell over the median ratios (None: no data)."""
+
+    def check(m: str, ok: Callable[[float], bool]) -> bool | None:
+        v = med.get(m)
+        return None if v is None else ok(v)
+
+    out = {
+        "throughput >= 1.0x": check("throughput", lambda v: v >= 1.0),
+        "ttft_p50 <= 1.0x": check("ttft_p50", lambda v: v <= 1.0),
+        "ttft_p99 <= 1.0x": check("ttft_p99", lambda v: v <= 1.0),
+    }
+    if (
+        cell.workload in ("cache_pressure", "burst")
+        and cell.layout == "two_prefill"
+        and cell.load == "open0.9"
+    ):
+        out["ttft_p50 <= 0.7x"] = check("ttft_p50", lambda v: v <= 0.7)
+        out["ttft_p99 <= 0.7x"] = check("ttft_p99", lambda v: v <= 0.7)
+    if cell.workload == "multi_tenant":
+        out["quiet tenant ttft_p99 <= 0.5x"] = check("quiet_ttft_p99", lambda v: v <= 0.5)
+    return out
+
+
+def run_matrix(
+    cells: Sequence[Cell],
+    out: Path,
+    *,
+    run_system: RunSystem,
+    build: BuildRequests,
+    base: Mapping[str, Any],
+    systems: Sequence[str] = DEFAULT_SYSTEMS,
+    repeats: int = 3,
+    seed: int = 0,
+    progress: bool = True,
+    notes: Mapping[str, Any] | None = None,
+    on_run: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Run every cell ``repeats`` times over ``systems`` (the reference among them), then the
+    ratios, goals and report in ``out`` (``matrix.json``, ``report.md``, ``heatmap.png``).
+    A run that raises is recorded with its error and the others go on; ``matrix.json`` is
+    rewritten after each run, so an interrupted matrix keeps what it measured."""
+    from tqdm import tqdm
+
+    if REFERENCE not in systems:
+        raise ValueError(f"the systems must include the reference {REFERENCE!r}")
+    others = [s for s in systems if s != REFERENCE]
+    out.mkdir(parents=True, exist_ok=True)
+    order = run_order(systems, repeats)
+    cells = schedule(cells)
+    need_cap = sorted(
+        {c.capacity_cell for c in cells if c.concurrency is None} - set(cells),
+        key=lambda c: (c.layout, WORKLOADS.index(c.workload)),
+    )
+    res: dict[str, Any] = {
+        "simulated": False,
+        "reference": REFERENCE,
+        "systems": list(systems),
+        "repeats": repeats,
+        "order": ["".join(chr(65 + list(systems).index(s)) for s in o) for o in order],
+        "seed": seed,
+        "spread": "min-max over repeats of the per-repeat ratio (same requests on both sides)",
+        "notes": dict(notes or {}),
+        "capacity_rps": {},
+        "capacity_runs": [],
+        "cells": {},
+    }
+    total = len(need_cap) + len(cells) * repeats * len(systems)
+    bar = tqdm(total=total, desc="matrix", unit="run", disable=not progress)
+
+    def save() -> None:
+        (out / "matrix.json").write_text(json.dumps(res, indent=2, default=str))
+
+    def one(system: str, cell: Cell, rep: int, rate: float | None, reqs: list[LiveRequest],
+            folder: Path) -> dict[str, Any]:  # fmt: skip
+        bar.set_postfix_str(f"{cell.name} #{rep + 1} {system}")
+        rec: dict[str, Any] = {"system": system, "repeat": rep, "seed": seed + rep, "rate": rate}
+        try:
+            cfg = layout_config(base, cell.layout)
+            rec["figures"] = run_system(
+                system, cell, cfg, reqs, cell.concurrency, folder / f"r{rep}-{system}"
+            )
+        except Exception as e:  # noqa: BLE001 - reported; the other runs go on
+            rec["figures"] = None
+            rec["error"] = f"{type(e).__name__}: {e}"[:500]
+        bar.update(1)
+        if on_run is not None:
+            on_run({"cell": cell.name, **rec})
+        return rec
+
+    def capacity(cell: Cell) -> float | None:
+        key = cell.capacity_cell.name
+        return res["capacity_rps"].get(key)
+
+    try:
+        for cc in need_cap:  # the reference alone, once: for the open cells' rate only
+            reqs = build(cc, None, seed)
+            rec = one(REFERENCE, cc, 0, None, reqs, out / "capacity" / cc.name.replace("/", "-"))
+            res["capacity_runs"].append({"cell": cc.name, **rec})
+            rps = (rec["figures"] or {}).get("requests_per_s")
+            if rps:
+                res["capacity_rps"][cc.name] = rps
+            save()
+        for cell in cells:
+            folder = out / cell.name.replace("/", "-")
+            entry: dict[str, Any] = {"runs": []}
+            res["cells"][cell.name] = entry
+            rate = None
+            if cell.load_factor is not None:
+                cap = capacity(cell)
+                if cap is None:
+                    entry["status"] = "failed"
+                    entry["error"] = (
+                        f"no capacity: the reference's {cell.capacity_cell.name} failed"
+                    )
+                    bar.update(repeats * len(systems))
+                    save()
+                    continue
+                rate = open_rate(cap, cell.load_factor)
+                entry["rate_rps"] = rate
+            for rep, names in enumerate(order):
+                reqs = build(cell, rate, seed + rep)  # one list: every system the same
+                for system in names:
+                    entry["runs"].append(one(system, cell, rep, rate, reqs, folder))
+                    save()
+            entry |= summarize_cell(cell, entry["runs"], systems, others)
+            if cell.concurrency is not None:
+                rps = [
+                    r["figures"]["requests_per_s"]
+                    for r in entry["runs"]
+                    if r["system"] == REFERENCE
+                    and r["figures"]
+                    and r["figures"].get("requests_per_s")
+                ]
+                if rps:
+                    res["capacity_rps"][cell.name] = statistics.median(rps)
+            save()
+    finally:
+        bar.close()
+    save()
+    report(res, out)
+    return res
+
+
+def summarize_cell(
+    cell: Cell, runs: Sequence[Mapping[str, Any]], systems: Sequence[str], others: Sequence[str]
+) -> dict[str, Any]:
+    """A cell's status, each system's median figures, the ratios and the goals."""
+    failed = [r for r in runs if r.get("figures") is None]
+    medians: dict[str, dict[str, float | None]] = {}
+    for s in systems:
+        figs = [r["figures"] for r in runs if r["system"] == s and r.get("figures")]
+        medians[s] = {
+            m: spread([f[m] for f in figs if f.get(m) is not None])["median"]
+            for m in (*METRICS, "requests_per_s")
+        }
+    ratios = {s: cell_ratios(runs, s) for s in others}
+    paired = max((int(v["throughput"]["n"]) for v in ratios.values()), default=0)
+    status = "ok" if not failed else ("partial" if paired else "failed")
+    med = {m: v["median"] for m, v in main_ratios({"ratios": ratios}).items()}
+    out: dict[str, Any] = {
+        "status": status,
+        "medians": medians,
+        "ratios": ratios,
+        "goals": goals(cell, med),
+    }
+    if failed:
+        out["errors"] = sorted({r["error"] for r in failed})
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Report
+
+
+def main_ratios(cell: Mapping[str, Any]) -> dict[str, Any]:
+    """A cell's ratios of ``pdserve`` (else of the first system that is not the reference)."""
+    ratios: dict[str, Any] = cell.get("ratios") or {}
+    if "pdserve" in ratios:
+        return dict(ratios["pdserve"])
+    return dict(next(iter(ratios.values()), {}))
+
+
+def _fmt(v: float | None, fmt: str = "{:.2f}") -> str:
+    return "-" if v is None else fmt.format(v)
+
+
+def report(res: Mapping[str, Any], out: Path) -> list[Path]:
+    """``report.md`` (per cell: status, the median ratios with their min-max, the goals; then
+    every run's raw figures) and ``heatmap.png`` (cells x metrics, median ratios)."""
+    cells = res["cells"]
+    metrics = [m for m in METRICS if m != "quiet_ttft_p99"] + ["quiet_ttft_p99"]
+    lines = [
+        "# pdserve vs Ray Serve LLM: the matrix",
+        "",
+        f"Live runs (simulated: {str(res['simulated']).lower()}), systems {', '.join(res['systems'])}, "
+        f"{res['repeats']} repeats per cell in the orders {', '.join(res['order'])}. "
+        f"Ratios are pdserve over `{res['reference']}`: the median over repeats of the "
+        f"per-repeat ratio, with its spread as min-max. Higher is better for throughput and "
+        f"the cached ratio, lower for the latencies.",
+        "",
+    ]
+    lines += [f"- {k}: {v}" for k, v in (res.get("notes") or {}).items()]
+    if res.get("capacity_rps"):
+        caps = ", ".join(f"{k} {v:.3f}" for k, v in res["capacity_rps"].items())
+        lines += ["", f"Capacity (the reference's closed-loop requests/s): {caps}"]
+    if lines[-1]:
+        lines.append("")
+    lines += [
+        "| cell | status | " + " | ".join(metrics) + " | goals |",
+        "|---|---|" + "---|" * len(metrics) + "---|",
+    ]
+    for name, c in cells.items():
+        if c.get("status") == "failed" and "ratios" not in c:
+            why = str(c.get("error", ""))[:100]
+            lines.append(f"| {name} | failed: {why} |" + " - |" * (len(metrics) + 1))
+            continue
+        r = main_ratios(c)
+        vals = []
+        for m in metrics:
+            s = r.get(m) or {}
+            vals.append(
+                "-"
+                if s.get("median") is None
+                else f"{s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f})"
+            )
+        g = c.get("goals") or {}
+        met = sum(1 for v in g.values() if v)
+        missed = [k for k, v in g.items() if v is False]
+        verdict = f"{met}/{len(g)} met" + (f"; missed: {', '.join(missed)}" if missed else "")
+        lines.append(f"| {name} | {c.get('status')} | " + " | ".join(vals) + f" | {verdict} |")
+    lines += ["", "## Goals", ""]
+    for name, c in cells.items():
+        for k, v in (c.get("goals") or {}).items():
+            lines.append(f"- {name}: {k}: {'no data' if v is None else ('met' if v else 'missed')}")
+    lines += [
+        "",
+        "## Every run",
+        "",
+        "| cell | repeat | system | rate req/s | tok/s | req/s | TTFT p50 s | TTFT p99 s "
+        "| ITL p99 s | cached | quiet TTFT p99 s | errors |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    all_runs = [(r["cell"], r) for r in res.get("capacity_runs") or []]
+    all_runs += [(n, r) for n, c in cells.items() for r in c.get("runs") or []]
+    for name, r in all_runs:
+        f = r.get("figures")
+        if f is None:
+            lines.append(
+                f"| {name} | {r['repeat'] + 1} | {r['system']} | {_fmt(r.get('rate'), '{:.3f}')} "
+                f"| failed: {str(r.get('error', ''))[:100]} |" + " - |" * 7
+            )
+            continue
+        lines.append(
+            f"| {name} | {r['repeat'] + 1} | {r['system']} | {_fmt(r.get('rate'), '{:.3f}')} "
+            f"| {_fmt(f.get('throughput'), '{:.1f}')} | {_fmt(f.get('requests_per_s'), '{:.3f}')} "
+            f"| {_fmt(f.get('ttft_p50'), '{:.3f}')} | {_fmt(f.get('ttft_p99'), '{:.3f}')} "
+            f"| {_fmt(f.get('itl_p99'), '{:.3f}')} | {_fmt(f.get('cached_token_ratio'))} "
+            f"| {_fmt(f.get('quiet_ttft_p99'), '{:.3f}')} | {f.get('errors', '-')} |"
+        )
+    lines += ["", "![median ratios](heatmap.png)", ""]
+    (out / "report.md").write_text("\n".join(lines))
+    heatmap(res, out / "heatmap.png", metrics)
+    return [out / "report.md", out / "heatmap.png"]
+
+
+def heatmap(res: Mapping[str, Any], path: Path, metrics: Sequence[str]) -> Path:
+    """Cells x metrics of the median ratios on a diverging colormap centred on 1.0 (log
+    scale, so 0.5x and 2x are equally far from 1), each square annotated with its value;
+    blank where there is no ratio."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import LogNorm
+
+    names = list(res["cells"])
+    grid = []
+    for n in names:
+        r = main_ratios(res["cells"][n])
+        grid.append(
+            [
+                math.nan if (r.get(m) or {}).get("median") is None else r[m]["median"]
+                for m in metrics
+            ]
+        )
+    finite = [v for row in grid for v in row if v == v and v > 0]
+    span = max([2.0] + [max(v, 1 / v) for v in finite])
+    fig, ax = plt.subplots(figsize=(1.6 * len(metrics) + 3, 0.45 * max(1, len(names)) + 1.8))
+    im = ax.imshow(
+        [[v if v == v and v > 0 else math.nan for v in row] for row in grid] or [[math.nan]],
+        cmap="RdBu_r",
+        norm=LogNorm(vmin=1 / span, vmax=span),
+        aspect="auto",
+    )
+    ax.set_xticks(range(len(metrics)), metrics, rotation=30, ha="right")
+    ax.set_yticks(range(len(names)), names)
+    for i, row in enumerate(grid):
+        for j, v in enumerate(row):
+            ax.text(j, i, "-" if v != v else f"{v:.2f}", ha="center", va="center", fontsize=8)
+    cb = fig.colorbar(im, ax=ax, label=f"pdserve / {res['reference']} (median)")
+    ticks = [t for t in (0.25, 0.5, 0.7, 1.0, 1.4, 2.0, 4.0) if 1 / span <= t <= span]
+    cb.set_ticks(ticks, labels=[f"{t:g}" for t in ticks])
+    cb.minorticks_off()
+    ax.set_title("median ratios (throughput, cached: higher is better; latencies: lower)")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# The live pieces (not unit-tested: they start Ray and vLLM)
+
+
+def live_requests(
+    base: Mapping[str, Any], *, vocab: int, max_tokens: int, limit: int | None, tokenizer: Any
+) -> tuple[BuildRequests, CachePressure]:
+    """The builder of the cells' requests on ``base``'s model (text prompts, as
+    :mod:`bench.live.compare` sends both systems), and the ``cache_pressure`` sizing derived
+    from the base config's prefill KV cache and the model's shape."""
+    from bench.live.compare import as_text
+    from deployments.config import load_app_config
+
+    cfg = load_app_config(base["applications"][0].get("args") or {})
+    shape = json.loads((cfg.model.resolved_path() / "config.json").read_text())
+    head_dim = shape.get("head_dim") or shape["hidden_size"] // shape["num_attention_heads"]
+    dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}.get(str(cfg.model.dtype), 4)
+    per_token = kv_bytes_per_token(
+        shape["num_hidden_layers"], shape["num_key_value_heads"], head_dim, dtype_bytes
+    )
+    pressure = cache_pressure_mix(
+        cfg.prefill.kv_cache_gib * 2**30,
+        per_token,
+        prefill_replicas=LAYOUTS["two_prefill"][0],
+        block_size=cfg.hashing.block_size,
+    )
+    room = cfg.model.max_model_len - max_tokens - 1
+
+    def build(cell: Cell, rate: float | None, seed: int) -> list[LiveRequest]:
+        reqs = workload_requests(
+            cell, rate, seed, vocab=vocab, max_tokens=max_tokens, limit=limit,
+            pressure=pressure, max_prompt_tokens=room,
+        )  # fmt: skip
+        return as_text(reqs, tokenizer)
+
+    return build, pressure
+
+
+def live_runner(model: str, progress: bool = True) -> RunSystem:
+    """The per-system run: :func:`bench.live.compare.measure` (a fresh Ray head, deploy,
+    replay, tear down). ``multi_tenant`` cells give pdserve two tenant keys (fresh each run,
+    only their hashes in the config) and its fair share (:func:`tenant_config`); the peer
+    gets the same requests without keys."""
+    from bench.live.compare import SYSTEMS, measure, pdserve_config, peer_config
+    from cluster.tenants import hash_key, new_key
+
+    def run(
+        system: str,
+        cell: Cell,
+        config: dict[str, Any],
+        reqs: list[LiveRequest],
+        concurrency: int | None,
+        out: Path,
+    ) -> dict[str, Any]:
+        sys_ = SYSTEMS[system]
+        probe_key = None
+        if sys_.kind == "pdserve":
+            cfg = pdserve_config(config, sys_)
+            if cell.workload == "multi_tenant":
+                keys = {t: new_key() for t in ("quiet", "flood")}
+                cfg = tenant_config(cfg, {hash_key(k): t for t, k in keys.items()})
+                reqs, probe_key = with_keys(reqs, keys), keys["quiet"]
+        else:
+            cfg = peer_config(config, sys_)
+            reqs = with_keys(reqs, None)
+        out.mkdir(parents=True, exist_ok=True)
+        m = measure(
+            system, sys_, cfg, reqs, out, model=model, concurrency=concurrency,
+            progress=progress, key=probe_key,
+        )  # fmt: skip
+        quiet = [
+            res.ttft_s
+            for req, res in zip(reqs, m.results, strict=False)
+            if req.label == "tenant:quiet" and res.ok and res.ttft_s is not None
+        ]
+        f = figures(m.summary, quiet if cell.workload == "multi_tenant" else None)
+        f["deploy_to_first_token_s"] = m.deploy_to_first_token_s
+        f["rss_peak_bytes"] = m.rss_peak_bytes
+        return f
+
+    return run

@@ -1,0 +1,325 @@
+"""``pdserve bench compare --matrix`` (bench.live.matrix): cells, run order, rates, aggregation,
+goals and the report, with the live per-system run stood in by a function."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+import pdserve.cli  # noqa: F401  (registers the commands)
+from bench.live import matrix as mx
+from bench.live.matrix import Cell, parse_cells
+from bench.workloads.replay import LiveRequest
+from pdserve.apps import app
+
+runner = CliRunner()
+BASE: dict[str, Any] = {
+    "applications": [{"args": {"prefill": {"num_replicas": 2}, "decode": {"num_replicas": 1}}}]
+}
+
+
+def test_all_cells_are_layout_x_load_x_workload() -> None:
+    cells = mx.all_cells()
+    assert len(cells) == 2 * 4 * 4 == len(set(cells))
+    assert Cell("two_prefill", "open0.9", "burst") in cells
+    assert parse_cells(None) == cells and parse_cells(" ") == cells
+
+
+def test_cells_parse_names_and_wildcards() -> None:
+    got = parse_cells("two_prefill/closed8/rag, pair/open0.9/burst")
+    assert [c.name for c in got] == ["two_prefill/closed8/rag", "pair/open0.9/burst"]
+    assert got[1].load_factor == 0.9 and got[1].concurrency is None
+    assert got[0].concurrency == 8 and got[0].load_factor is None
+    wild = parse_cells("pair/*/rag,pair/closed8/rag")  # a repeat is kept once
+    assert [c.load for c in wild] == ["closed8", "open0.5", "open0.9", "open1.2"]
+
+
+@pytest.mark.parametrize(
+    ("spec", "named"),
+    [
+        ("pair/open0.7/rag", "'open0.7'"),
+        ("three/closed8/rag", "'three'"),
+        ("pair/closed8/chat", "'chat'"),
+        ("pair/closed8", "pair/closed8"),
+    ],
+)
+def test_a_bad_cell_is_an_error_naming_it(spec: str, named: str) -> None:
+    with pytest.raises(ValueError, match="bad cell") as e:
+        parse_cells(f"pair/closed8/rag,{spec}")
+    assert named in str(e.value) and "pair/closed8/rag'" not in str(e.value)
+
+
+def test_the_cli_refuses_a_bad_cell_with_exit_2_before_anything_starts(tmp_path: Path) -> None:
+    r = runner.invoke(
+        app,
+        ["bench", "compare", "--matrix", "--out", str(tmp_path), "--cells", "pair/open2/rag"],
+    )
+    assert r.exit_code == 2, r.output
+    assert "pair/open2/rag" in r.output and "--cells" in r.output
+    r = runner.invoke(
+        app, ["bench", "compare", "--matrix", "--out", str(tmp_path), "--systems", "pdserve"]
+    )
+    assert r.exit_code == 2 and "peer-connector" in r.output
+    r = runner.invoke(app, ["bench", "compare", "--matrix", "--out", str(tmp_path), "--rate", "2"])
+    assert r.exit_code == 2 and "--rate" in r.output
+    assert not any(tmp_path.iterdir())
+
+
+def test_the_order_alternates_between_repeats() -> None:
+    assert mx.run_order(["A", "B"], 4) == [["A", "B"], ["B", "A"], ["A", "B"], ["B", "A"]]
+    assert mx.run_order(["A", "B", "C"], 2) == [["A", "B", "C"], ["C", "B", "A"]]
+    with pytest.raises(ValueError):
+        mx.run_order(["A", "B"], 0)
+
+
+def test_closed_cells_run_before_the_open_cells_they_set_the_rate_of() -> None:
+    cells = parse_cells("pair/open0.5/rag,pair/closed8/rag,pair/open1.2/rag")
+    assert [c.load for c in mx.schedule(cells)] == ["closed8", "open0.5", "open1.2"]
+
+
+def test_layouts_set_the_replica_counts_and_leave_the_base_alone() -> None:
+    cfg = mx.layout_config(BASE, "pair")
+    assert cfg["applications"][0]["args"]["prefill"]["num_replicas"] == 1
+    assert BASE["applications"][0]["args"]["prefill"]["num_replicas"] == 2
+    assert mx.LAYOUTS["two_prefill"] == (2, 1)
+
+
+def test_cache_pressure_arithmetic() -> None:
+    # the bench model in float32: 2 x 6 layers x 4 KV heads x 64 x 4 bytes
+    per_token = mx.kv_bytes_per_token(6, 4, 64, 4)
+    assert per_token == 12288
+    p = mx.cache_pressure_mix(2**30, per_token)
+    assert p.tokens_per_replica == 87381 and p.doc_tokens == 1536
+    assert p.tokens_per_replica < p.working_set_tokens < 2 * p.tokens_per_replica
+    assert p.documents == 86 and p.requests == 172
+    reqs = mx.workload_requests(Cell("two_prefill", "open0.9", "cache_pressure"), 1.0, 0,
+                                pressure=p)  # fmt: skip
+    touched = {r.label for r in reqs}
+    assert len(touched) * p.doc_tokens > p.tokens_per_replica
+
+
+def test_multi_tenant_floods_at_ten_times_the_quiet_rate() -> None:
+    reqs = mx.workload_requests(Cell("pair", "open0.9", "multi_tenant"), 2.2, 0)
+    quiet = [r for r in reqs if r.label == "tenant:quiet"]
+    flood = [r for r in reqs if r.label == "tenant:flood"]
+    assert len(flood) == 10 * len(quiet)
+    assert [r.at_s for r in reqs] == sorted(r.at_s for r in reqs)
+    keyed = mx.with_keys(reqs, {"quiet": "kq", "flood": "kf"})
+    assert {r.key for r in keyed if r.label == "tenant:quiet"} == {"kq"}
+    assert {r.key for r in keyed if r.label == "tenant:flood"} == {"kf"}
+    assert all(r.key is None for r in mx.with_keys(keyed, None))
+
+
+def test_burst_keeps_its_spike_and_takes_the_cells_mean_rate() -> None:
+    reqs = mx.workload_requests(Cell("pair", "open0.9", "burst"), 2.0, 0)
+    assert (len(reqs) - 1) / reqs[-1].at_s == pytest.approx(2.0)
+    spike = [r.at_s for r in reqs if r.label.startswith("spike")]
+    calm = [r.at_s for r in reqs if r.label.startswith("calm")]
+    spike_rate = (len(spike) - 1) / (spike[-1] - spike[0])
+    calm_rate = (len(calm) - 1) / (calm[-1] - calm[0])
+    assert spike_rate > 2 * calm_rate
+
+
+def test_open_rates_come_from_the_peers_closed_loop_capacity_and_arrivals_are_shared(
+    tmp_path: Path,
+) -> None:
+    seen: list[tuple[str, str, int, list[LiveRequest], int | None]] = []
+
+    def stand_in(system: str, cell: Cell, cfg: dict, reqs: list[LiveRequest],
+                 conc: int | None, out: Path) -> dict[str, Any]:  # fmt: skip
+        rep = sum(1 for s in seen if s[0] == system and s[1] == cell.name)
+        seen.append((system, cell.name, rep, reqs, conc))
+        # the peer completes 2 requests/s closed-loop (then 4, 3: median 3)
+        rps = {0: 2.0, 1: 4.0, 2: 3.0}[rep] if system == mx.REFERENCE else 9.0
+        return _figs(rps=rps)
+
+    built: list[tuple[str, float | None, int]] = []
+
+    def build(cell: Cell, rate: float | None, seed: int) -> list[LiveRequest]:
+        built.append((cell.name, rate, seed))
+        return mx.workload_requests(cell, rate, seed)
+
+    res = mx.run_matrix(
+        parse_cells("pair/open0.5/rag,pair/closed8/rag"), tmp_path, run_system=stand_in,
+        build=build, base=BASE, repeats=3, seed=7, progress=False,
+    )  # fmt: skip
+    assert res["capacity_rps"] == {"pair/closed8/rag": 3.0}  # the peer's, not pdserve's 9
+    assert res["cells"]["pair/open0.5/rag"]["rate_rps"] == pytest.approx(1.5)
+    assert built == [("pair/closed8/rag", None, s) for s in (7, 8, 9)] + [
+        ("pair/open0.5/rag", pytest.approx(1.5), s) for s in (7, 8, 9)
+    ]
+    for cell in ("pair/closed8/rag", "pair/open0.5/rag"):
+        for rep in range(3):
+            pair = [s[3] for s in seen if s[1] == cell and s[2] == rep]
+            assert len(pair) == 2 and pair[0] == pair[1]  # same prompts, same arrival times
+    open_runs = [s for s in seen if s[1] == "pair/open0.5/rag"]
+    assert all(s[4] is None for s in open_runs)
+    reqs = open_runs[0][3]
+    assert (len(reqs) - 1) / reqs[-1].at_s == pytest.approx(1.5, rel=0.25)
+    # ABA order: pdserve first in repeats 1 and 3, the peer first in repeat 2
+    order = [s[0] for s in seen if s[1] == "pair/closed8/rag"]
+    assert order == ["pdserve", mx.REFERENCE, mx.REFERENCE, "pdserve", "pdserve", mx.REFERENCE]
+    assert res["order"] == ["AB", "BA", "AB"]
+
+
+def test_a_missing_capacity_cell_is_run_by_the_reference_alone(tmp_path: Path) -> None:
+    calls: list[tuple[str, str]] = []
+
+    def stand_in(system: str, cell: Cell, cfg: dict, reqs: list, conc: int | None,
+                 out: Path) -> dict[str, Any]:  # fmt: skip
+        calls.append((system, cell.name))
+        return _figs(rps=4.0)
+
+    res = mx.run_matrix(
+        parse_cells("two_prefill/open1.2/rag"), tmp_path, run_system=stand_in,
+        build=lambda c, r, s: mx.workload_requests(c, r, s), base=BASE, repeats=1,
+        progress=False,
+    )  # fmt: skip
+    assert calls[0] == (mx.REFERENCE, "two_prefill/closed8/rag")
+    assert res["cells"]["two_prefill/open1.2/rag"]["rate_rps"] == pytest.approx(4.8)
+    assert len(res["capacity_runs"]) == 1 and "two_prefill/closed8/rag" not in res["cells"]
+
+
+def _figs(rps: float = 1.0, **over: float | None) -> dict[str, Any]:
+    f: dict[str, Any] = {
+        "throughput": 100.0,
+        "requests_per_s": rps,
+        "ttft_p50": 1.0,
+        "ttft_p99": 2.0,
+        "itl_p99": 0.1,
+        "cached_token_ratio": 0.5,
+        "quiet_ttft_p99": None,
+        "errors": 0,
+    }
+    return f | over
+
+
+def test_median_and_spread_of_paired_ratios_worked_example() -> None:
+    # pdserve's TTFT p99 over the peer's, paired by repeat: 1/2, 3/2, 2/4 -> 0.5, 1.5, 0.5
+    runs = [
+        {"system": "pdserve", "repeat": 0, "figures": _figs(ttft_p99=1.0)},
+        {"system": mx.REFERENCE, "repeat": 0, "figures": _figs(ttft_p99=2.0)},
+        {"system": mx.REFERENCE, "repeat": 1, "figures": _figs(ttft_p99=2.0)},
+        {"system": "pdserve", "repeat": 1, "figures": _figs(ttft_p99=3.0)},
+        {"system": "pdserve", "repeat": 2, "figures": _figs(ttft_p99=2.0)},
+        {"system": mx.REFERENCE, "repeat": 2, "figures": _figs(ttft_p99=4.0)},
+        # a repeat where the peer failed pairs with nothing
+        {"system": "pdserve", "repeat": 3, "figures": _figs(ttft_p99=100.0)},
+        {"system": mx.REFERENCE, "repeat": 3, "figures": None, "error": "x"},
+    ]
+    r = mx.cell_ratios(runs, "pdserve")
+    assert r["ttft_p99"] == {"median": 0.5, "min": 0.5, "max": 1.5, "n": 3}
+    assert r["throughput"]["median"] == 1.0
+    assert r["quiet_ttft_p99"] == {"median": None, "min": None, "max": None, "n": 0}
+    assert mx.spread([4.0, 1.0, 2.0, 3.0]) == {"median": 2.5, "min": 1.0, "max": 4.0, "n": 4}
+
+
+def test_goal_verdicts() -> None:
+    ok = {"throughput": 1.1, "ttft_p50": 0.6, "ttft_p99": 0.69, "quiet_ttft_p99": 0.4}
+    g = mx.goals(Cell("two_prefill", "open0.9", "cache_pressure"), ok)
+    assert g == {
+        "throughput >= 1.0x": True,
+        "ttft_p50 <= 1.0x": True,
+        "ttft_p99 <= 1.0x": True,
+        "ttft_p50 <= 0.7x": True,
+        "ttft_p99 <= 0.7x": True,
+    }
+    g = mx.goals(Cell("two_prefill", "open0.9", "burst"), ok | {"ttft_p99": 0.8})
+    assert g["ttft_p99 <= 1.0x"] is True and g["ttft_p99 <= 0.7x"] is False
+    g = mx.goals(Cell("pair", "open0.9", "burst"), ok)  # the 0.7x goal is two_prefill's
+    assert "ttft_p50 <= 0.7x" not in g
+    g = mx.goals(Cell("pair", "closed8", "rag"), {"throughput": 0.99, "ttft_p50": None})
+    assert g == {"throughput >= 1.0x": False, "ttft_p50 <= 1.0x": None, "ttft_p99 <= 1.0x": None}
+    g = mx.goals(Cell("pair", "closed8", "multi_tenant"), ok | {"quiet_ttft_p99": 0.51})
+    assert g["quiet tenant ttft_p99 <= 0.5x"] is False
+
+
+def test_a_failing_cell_is_reported_and_the_others_still_run(tmp_path: Path) -> None:
+    ran: list[str] = []
+
+    def stand_in(system: str, cell: Cell, cfg: dict, reqs: list, conc: int | None,
+                 out: Path) -> dict[str, Any]:  # fmt: skip
+        ran.append(cell.name)
+        if cell.workload == "multi_tenant" and system == "pdserve":
+            raise RuntimeError("serve run failed")
+        quiet = 0.5 if system == "pdserve" else 1.0
+        return _figs(ttft_p50=0.5 if system == "pdserve" else 1.0, quiet_ttft_p99=quiet)
+
+    cells = parse_cells("pair/closed8/multi_tenant,two_prefill/closed8/rag,pair/open0.9/rag")
+    res = mx.run_matrix(
+        cells, tmp_path, run_system=stand_in,
+        build=lambda c, r, s: mx.workload_requests(c, r, s, limit=4), base=BASE, repeats=2,
+        progress=False,
+    )  # fmt: skip
+    assert res["simulated"] is False
+    c = res["cells"]
+    assert c["pair/closed8/multi_tenant"]["status"] == "failed"
+    assert "serve run failed" in c["pair/closed8/multi_tenant"]["errors"][0]
+    assert c["two_prefill/closed8/rag"]["status"] == "ok"
+    assert c["pair/open0.9/rag"]["status"] == "ok"  # capacity from the peer's own runs
+    assert len(ran) == 1 + 3 * 2 * 2  # pair/closed8/rag's capacity run, then every run
+    rag = c["two_prefill/closed8/rag"]
+    assert rag["ratios"]["pdserve"]["ttft_p50"]["median"] == 0.5
+    assert rag["goals"]["ttft_p50 <= 1.0x"] is True
+    # every run's raw figures are kept
+    assert len(rag["runs"]) == 4 and all(r["figures"]["throughput"] == 100.0 for r in rag["runs"])
+
+    md = (tmp_path / "report.md").read_text()
+    png = tmp_path / "heatmap.png"
+    assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    rows = [ln for ln in md.splitlines() if ln.startswith("| pair/") or ln.startswith("| two_")]
+    for cell in cells:
+        assert any(ln.startswith(f"| {cell.name} | ") for ln in rows), cell.name
+    assert "| pair/closed8/multi_tenant | failed |" in md
+    assert "0.50 (0.50-0.50)" in md and "min-max" in md
+    assert "simulated: false" in md
+    assert (tmp_path / "matrix.json").exists()
+
+
+def test_a_failed_capacity_run_fails_the_open_cells_it_sets(tmp_path: Path) -> None:
+    def stand_in(system: str, cell: Cell, cfg: dict, reqs: list, conc: int | None,
+                 out: Path) -> dict[str, Any]:  # fmt: skip
+        if cell.load == "closed8":
+            raise RuntimeError("no head")
+        return _figs()
+
+    res = mx.run_matrix(
+        parse_cells("pair/open0.9/rag,pair/closed8/burst"), tmp_path, run_system=stand_in,
+        build=lambda c, r, s: [], base=BASE, repeats=1, progress=False,
+    )  # fmt: skip
+    cell = res["cells"]["pair/open0.9/rag"]
+    assert cell["status"] == "failed" and "no capacity" in cell["error"]
+    assert res["cells"]["pair/closed8/burst"]["status"] == "failed"
+    assert "| pair/open0.9/rag | failed: no capacity" in (tmp_path / "report.md").read_text()
+
+
+def test_figures_from_a_replay_summary() -> None:
+    summary = {
+        "requests": 10,
+        "errors": 2,
+        "wall_s": 4.0,
+        "throughput_tps": 50.0,
+        "ttft": {"p50": 0.1, "p99": 0.9},
+        "itl": {"p99": 0.02},
+        "cached_token_ratio": 0.3,
+    }
+    f = mx.figures(summary, quiet_ttfts=[0.5, 0.2, 0.4])
+    assert f["requests_per_s"] == 2.0 and f["throughput"] == 50.0
+    assert f["quiet_ttft_p99"] == 0.5 and f["ttft_p99"] == 0.9
+    assert mx.figures(summary)["quiet_ttft_p99"] is None
+
+
+def test_multi_tenant_config_requires_keys_and_turns_the_fair_share_on() -> None:
+    from bench.live.compare import SYSTEMS, pdserve_config
+
+    base = {"applications": [{"args": {"prefill": {"scheduler_config": {"profile": "auto"}}}}]}
+    cfg = mx.tenant_config(pdserve_config(base, SYSTEMS["pdserve"]), {"sha256:ab": "quiet"})
+    args = cfg["applications"][0]["args"]
+    assert args["ingress"]["auth"] == "keys"
+    assert args["tenants"]["key_hashes"] == {"sha256:ab": "quiet"}
+    assert args["prefill"]["scheduler_config"] == {"profile": "auto", "fair_share": True}
+    stock = mx.tenant_config(pdserve_config(base, SYSTEMS["pdserve-fcfs-rr"]), {})
+    assert "scheduler_config" not in stock["applications"][0]["args"]["prefill"]
