@@ -733,7 +733,7 @@ def heatmap(res: Mapping[str, Any], path: Path, metrics: Sequence[str]) -> Path:
     cb.minorticks_off()
     ax.set_title("median ratios (throughput, cached: higher is better; latencies: lower)")
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, bbox_inches="tight")  # the colour bar's label whole
     plt.close(fig)
     return path
 
