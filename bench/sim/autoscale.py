@@ -1254,13 +1254,19 @@ class _Sim:
                 c = min(max(1, req.prompt_tokens), budget)
                 plan.append((entry, c))
                 budget -= c
-            if not plan:
-                continue
-            dur = self.prof.step_cost.seconds((c, e[1]) for e, c in plan)
-            rep.plan = plan
-            rep.stepping = True
-            rep.busy_until = now + dur
-            self.push(rep.busy_until, _PREFILL_DONE, rep)
+            self._start_step(rep, plan, now)
+
+    def _start_step(self, rep: _Replica, plan: list[tuple[list[int], int]], now: float) -> None:
+        """``rep`` runs ``plan`` (``(entry, tokens)`` chunks) as one engine step priced by the
+        profile's ``step_cost``; nothing to do for an empty plan."""
+        assert self.prof is not None
+        if not plan:
+            return
+        dur = self.prof.step_cost.seconds((c, e[1]) for e, c in plan)
+        rep.plan = plan
+        rep.stepping = True
+        rep.busy_until = now + dur
+        self.push(rep.busy_until, _PREFILL_DONE, rep)
 
     def _prefill_steps_cached(self, now: float) -> None:
         """:meth:`_prefill_steps` with prefix caches. A warm prefill replica not in a step
@@ -1319,13 +1325,7 @@ class _Sim:
             rooms[k] -= need
             loads[k] += need
         for rep, plan in zip(reps, plans, strict=True):
-            if not plan:
-                continue
-            dur = self.prof.step_cost.seconds((c, e[1]) for e, c in plan)
-            rep.plan = plan
-            rep.stepping = True
-            rep.busy_until = now + dur
-            self.push(rep.busy_until, _PREFILL_DONE, rep)
+            self._start_step(rep, plan, now)
 
     def prefill_step_done(self, rep: _Replica, now: float) -> None:
         rep.stepping = False
