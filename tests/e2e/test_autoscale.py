@@ -51,14 +51,11 @@ def autoscale_config(model_dir: Path, cache_dir: Path) -> dict[str, Any]:
 def serverless(
     serve_url: str, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, Any]]:
-    from ray.serve.context import _get_global_client
-    from ray.serve.schema import ServeDeploySchema
+    from bench.live.routing import deploy_config
 
     app = autoscale_config(tiny_model_dir, tmp_path_factory.mktemp("autoscale"))
-    client = _get_global_client()
-    assert client is not None  # serve_url started Serve
     with only_app(APP):
-        client.deploy_apps(ServeDeploySchema.model_validate({"applications": [app]}))
+        deploy_config(app)  # Serve started by serve_url
         wait_until(lambda: _status(APP) == "RUNNING", "the app deployed (at zero replicas)", 300)
         yield {"url": serve_url}
 
@@ -75,10 +72,9 @@ def _status(app: str) -> str | None:
 
 def replica_states(role: str) -> dict[str, int]:
     """Serve's count of ``role``'s replicas in each state now, by the state's name."""
-    from ray import serve
+    from bench.live.routing import replica_states as states
 
-    dep = serve.status().applications[APP].deployments[role]
-    return {str(getattr(k, "value", k)): int(v) for k, v in dep.replica_states.items()}
+    return states(APP)[role]
 
 
 def running(role: str) -> int:

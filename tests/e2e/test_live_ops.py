@@ -26,18 +26,12 @@ AUTH = {"Authorization": "Bearer sk-alice"}
 def _deploy(args: dict[str, Any], options: dict[str, dict[str, Any]]) -> None:
     """Apply the app's Serve config (``serve deploy``'s path) with these deployments' options
     (``user_config``, ``num_replicas``: what a Serve YAML's ``deployments`` list sets)."""
-    from ray.serve.context import _get_global_client
-    from ray.serve.schema import ServeDeploySchema
+    from bench.live.routing import config_app, deploy_config
 
-    app: dict[str, Any] = {
-        "name": APP,
-        "route_prefix": "/",
-        "import_path": "deployments.app:build_app",
-        "args": args,
-    }
+    app = config_app(APP, args, policy=False)
     if options:
         app["deployments"] = [{"name": n, **o} for n, o in options.items()]
-    _get_global_client().deploy_apps(ServeDeploySchema.model_validate({"applications": [app]}))
+    deploy_config(app)
 
 
 @pytest.fixture(scope="module", params=RUNTIMES)
