@@ -53,7 +53,10 @@ Then, per role, in this order (each step names the reason when it sets the count
 ITL p99 targets at the load forecast's ``1 - max_cold_fraction`` quantile over one cold
 start, and the TWP window and KV), each naming the bound that set it (``slo_ttft``,
 ``slo_itl``, ``cold_budget``, ``window``, ``kv``) in place of ``demand``; the downscale delay
-is the cold start ``C`` instead of ``downscale_delay_s``. Steps 1 and 3-6 are unchanged.
+is the cold start ``C`` instead of ``downscale_delay_s``, and the keep-alive of step 3 is
+derived from the cold-start budget and the request rate
+(:func:`controllers.slo_sizing.keep_alive_s`), ``idle_to_zero_s`` its cap. Steps 1 and 4-6
+are unchanged.
 
 Choices where the issue is silent, written down: activity is per app (one request keeps
 both roles alive); the warm pool is not kept through the keep-alive's end (a pool kept
@@ -75,6 +78,7 @@ from controllers.slo_sizing import (
     SloConfig,
     SloSizing,
     forecast,
+    keep_alive_s,
     max_batch,
     prefill_replicas,
 )
@@ -134,7 +138,10 @@ class AutoscaleConfig(BaseModel):
         default=0, ge=0, description="Idle replicas per role kept ready above demand while active."
     )
     idle_to_zero_s: float = Field(
-        default=300.0, gt=0, description="Keep-alive: no request this long -> min_replicas (s)."
+        default=300.0,
+        gt=0,
+        description="Keep-alive: no request this long -> min_replicas (s); with slo set, the "
+        "cap of the keep-alive derived from the cold-start budget and the request rate.",
     )
     downscale_delay_s: float = Field(
         default=30.0, ge=0, description="Hysteresis: wanted below target this long before down (s)."
@@ -205,6 +212,9 @@ class RoleDemand:
     """Prefill: p99 of recent prompts' uncached tokens, when reported (SLO sizing)."""
     prompt_tokens_mean: float | None = None
     """Prefill: mean of recent prompts' uncached tokens, when reported (SLO sizing)."""
+    l_min_s: float | None = None
+    """Decode: the step floor ``l_min`` the replicas' TWP gates measure (their largest), when
+    reported: the SLO sizing rescales the profile's step curve to it."""
 
 
 @dataclass(frozen=True)
@@ -239,6 +249,9 @@ class AutoscaleState:
     """SLO forecast: the last windows' inflow rates (tokens/s), oldest first."""
     window_start: tuple[float, float] | None = None
     """SLO forecast: (time, cumulative tokens) where the window under way began."""
+    keep_alive_s: float | None = None
+    """SLO mode: the keep-alive derived while requests were last present
+    (:func:`controllers.slo_sizing.keep_alive_s`); None: ``idle_to_zero_s``."""
 
     def role(self, name: str) -> RoleState:
         return self.roles.get(name, RoleState())
@@ -268,6 +281,7 @@ class AutoscaleState:
             roles=roles,
             windows=tuple(float(x) for x in d.get("windows", ())),
             window_start=None if start is None else (float(start[0]), float(start[1])),
+            keep_alive_s=None if d.get("keep_alive_s") is None else float(d["keep_alive_s"]),
         )
 
 
@@ -343,7 +357,11 @@ def slo_sizes(
     pre = demand.get("prefill")
     fc = forecast(state.windows, state.inflow_tokens_per_s, float(cfg.expected_prompt_tokens))
     hi = fc.upper(cold_start_s, slo.max_cold_fraction)
-    l_min = slo.decode_step.l_min_s if slo.decode_step is not None else 0.0
+    dec = demand.get("decode")
+    step = slo.decode_step
+    if step is not None and dec is not None and dec.l_min_s:
+        step = step.rescaled(dec.l_min_s)  # the replicas' measured floor over the profile's
+    l_min = step.l_min_s if step is not None else 0.0
     out: dict[str, SloSizing] = {}
     if pre is not None:
         mu = (
@@ -368,13 +386,12 @@ def slo_sizes(
         if warm > base:
             reason = "cold_budget"
         out["prefill"] = SloSizing(max(base, warm), reason, max(float(base), hi / mu))
-    dec = demand.get("decode")
     if dec is not None:
         growth = hi / fc.rate if fc.rate > 0 else 1.0
         seqs = dec.ongoing
         by: dict[str, float] = {}
-        if slo.decode_step is not None:
-            b, ok = max_batch(slo.decode_step, slo.itl_p99_s)
+        if step is not None:
+            b, ok = max_batch(step, slo.itl_p99_s)
             by["slo_itl" if ok else "slo_itl_infeasible"] = seqs / b
             by["cold_budget"] = seqs * growth / b
         if dec.window_tokens is not None and dec.window_tokens > 0:
@@ -391,6 +408,17 @@ def slo_sizes(
         else:
             out["decode"] = SloSizing(0, "no_demand", 0.0)
     return out
+
+
+def _keep_alive(state: AutoscaleState, pre: RoleDemand, cfg: AutoscaleConfig, cold: float) -> float:
+    """SLO mode's keep-alive from the request rate now: the forecast windows' mean inflow
+    over the mean prompt (both uncached tokens), ``idle_to_zero_s`` the cap."""
+    assert cfg.slo is not None
+    if not state.windows:
+        return cfg.idle_to_zero_s
+    mean_prompt = pre.prompt_tokens_mean or float(cfg.expected_prompt_tokens)
+    rate = sum(state.windows) / len(state.windows) / mean_prompt
+    return keep_alive_s(rate, cold, cfg.slo.max_cold_fraction, cfg.idle_to_zero_s)
 
 
 def _observe_cold_start(rs: RoleState, d: RoleDemand, now: float) -> RoleState:
@@ -447,7 +475,10 @@ def decide(
     )
     if active_now:
         state = replace(state, last_active=now)
-    idle = state.last_active is None or now - state.last_active >= cfg.idle_to_zero_s
+        if cfg.slo is not None and pre is not None:
+            state = replace(state, keep_alive_s=_keep_alive(state, pre, cfg, cold))
+    keep_alive = cfg.idle_to_zero_s if state.keep_alive_s is None else state.keep_alive_s
+    idle = state.last_active is None or now - state.last_active >= keep_alive
     from_zero = any(d.running == 0 and d.handle_queued > 0 for d in demand.values())
 
     sized = slo_sizes(state, demand, cfg, cold, now) if cfg.slo is not None else {}

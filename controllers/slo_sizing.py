@@ -44,7 +44,11 @@ not fit the target, no count of replicas meets it; the pool is then sized for tw
 (reason ``slo_ttft_infeasible``).
 
 **Decode** (``slo_itl``, ``window``, ``kv``). The profile's step curve
-``l(b) = l_min + alpha max(0, b - b0)`` gives the largest batch per replica whose step is
+``l(b) = l_min + alpha max(0, b - b0)``, rescaled to the floor the decode replicas' TWP gates
+measure (``l_min_s``, the largest reported: the engine in a serving replica is slower than the
+bare one the profile measured, 2-3x for the test model on 2 cores; ``alpha`` scales alike,
+``b0`` stays, as :meth:`controllers.profile.DecodeProfile.rescaled` and the gate itself do),
+gives the largest batch per replica whose step is
 within ``itl_p99_s``: ``b* = b0 + floor((itl_p99_s - l_min) / alpha)`` (``b0`` when
 ``itl_p99_s < l_min``: infeasible, reason ``slo_itl_infeasible``). With ``S`` sequences in
 decode (running and waiting), ``n_d = ceil(S / b*)``; the larger of that, the TWP window's
@@ -69,11 +73,29 @@ long, which the dispersion ``D`` already prices into the wait; asking for the TT
 prefill replica the target did not need, simulated). When this count exceeds the SLO count
 the difference is the warm pool and the reason is ``cold_budget``.
 
+**Keep-alive from the cold-start budget** (:func:`keep_alive_s`). After ``T`` seconds without
+a request the pool goes to zero; the next request then meets a cold start, and so do the
+``r C`` that arrive while it starts. With requests arriving at rate ``r`` (Poisson), a gap
+exceeds ``T`` with probability ``exp(-r T)``, so about ``exp(-r T) (1 + r C)`` of the requests
+meet a cold start; at most ``max_cold_fraction`` of them when::
+
+    T = max(C, ln((1 + r C) / max_cold_fraction) / r)
+
+never below ``C`` (a replica released and wanted back within its own restart costs as much as
+one kept: the ski-rental break-even) and never above ``idle_to_zero_s``, which in this mode is
+the operator's cap on what one idle spell may cost (300 s by default: at rates below
+``ln(1 / max_cold_fraction) / 300`` requests/s, about one per 100 s at 3%, the budget is not
+met and the cap holds). ``r`` is the forecast's two-minute mean inflow over the mean prompt
+(both uncached tokens), taken while requests are present and kept through the idle spell it
+decides on. Worked: ``C`` = 30 s, 3%: at 1.4 requests/s (the Azure conversation trace at
+1x) ``ln(43 / 0.03) / 1.4`` = 5.2 s, so ``T = C`` = 30 s instead of 300 s; at 0.1/s 49 s; at
+0.01/s 377 s, capped at 300 s.
+
 Knobs that remain in this mode: the hysteresis's delay is the measured cold start ``C``
 (``downscale_delay_s`` is not used: a replica released and wanted back within its own restart
 time would have cost a cold start, and the sizing already holds the cold-budget headroom);
-``idle_to_zero_s`` (the keep-alive, 300 s), ``warm_pool`` (extra replicas, 0) and the bounds
-stay as set; ``expected_prompt_tokens`` and ``prefill_tokens_per_s`` are fallbacks until the
+``idle_to_zero_s`` is the keep-alive's cap (above); ``warm_pool`` (extra replicas, 0) and the
+bounds stay as set; ``expected_prompt_tokens`` and ``prefill_tokens_per_s`` are fallbacks until the
 replicas report; ``target_utilization`` and ``prefill_drain_s`` are not used.
 """
 
@@ -168,6 +190,19 @@ def prompt_moments(uncached: Sequence[int]) -> tuple[float, float]:
     xs = sorted(uncached)
     rank = max(1, math.ceil(P99 * len(xs)))
     return sum(xs) / len(xs), float(xs[rank - 1])
+
+
+def keep_alive_s(
+    rate_rps: float, cold_start_s: float, max_cold_fraction: float, cap_s: float
+) -> float:
+    """The idle time before scale to zero that keeps cold starts within ``max_cold_fraction``
+    at ``rate_rps`` requests/s: ``max(C, ln((1 + r C) / eps) / r)``, at most ``cap_s`` (see
+    the module docstring); ``cap_s`` when no rate is known."""
+    if rate_rps <= 0:
+        return cap_s
+    c = max(0.0, cold_start_s)
+    t = math.log((1.0 + rate_rps * c) / max_cold_fraction) / rate_rps
+    return min(cap_s, max(c, t))
 
 
 def erlang_c(n: int, a: float) -> float:

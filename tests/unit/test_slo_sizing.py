@@ -24,6 +24,7 @@ from controllers.slo_sizing import (
     SloConfig,
     erlang_c,
     forecast,
+    keep_alive_s,
     max_batch,
     prefill_replicas,
     prefill_ttft_p99,
@@ -206,6 +207,72 @@ def test_the_slo_path_scales_down_after_one_cold_start_not_downscale_delay_s() -
     assert out["prefill"].reason == "hold_downscale"
     _, out = decide(state, quiet, cfg, now=5.0)  # cold start 5 s
     assert out["prefill"].replicas == 1 and out["decode"].replicas == 1
+
+
+def test_the_decode_replicas_measured_floor_rescales_the_profiles_step_curve() -> None:
+    # STEP: l_min 24 ms, b0 32, alpha 0.4 ms; target ITL 50 ms: b* = 32 + floor(26 / 0.4) = 97
+    # 150 sequences: ceil(150 / 97) = 2. Measured floor 40 ms (x5/3, alpha 0.667 ms):
+    # b* = 32 + floor(10 / 0.6667) = 47 -> ceil(150 / 47) = 4 replicas for the ITL target.
+    assert STEP.rescaled(0.040).alpha_s == pytest.approx(0.0004 * 0.040 / 0.024)
+    assert STEP.rescaled(0.040).b0 == 32
+    assert max_batch(STEP.rescaled(0.040), 0.05) == (47, True)
+    cfg = slo_cfg()
+    for l_min, want in ((None, 2), (0.040, 4)):
+        demand = {
+            "prefill": RoleDemand(1, 1, ongoing=1, tokens_per_s=1000.0),
+            "decode": RoleDemand(2, 2, ongoing=150, l_min_s=l_min),
+        }
+        _, out = decide(AutoscaleState(), demand, cfg, now=0.0)
+        assert (out["decode"].replicas, out["decode"].reason) == (want, "slo_itl")
+    # a measured floor above the target makes the ITL target infeasible, said so
+    demand["decode"] = RoleDemand(2, 2, ongoing=150, l_min_s=0.06)
+    _, out = decide(AutoscaleState(), demand, cfg, now=0.0)
+    assert out["decode"].reason == "slo_itl_infeasible"
+
+
+def test_keep_alive_worked_examples_from_the_module_docstring() -> None:
+    # C = 30 s, eps = 3%, cap 300 s: T = max(C, ln((1 + r C) / eps) / r)
+    assert keep_alive_s(1.4, 30.0, 0.03, 300.0) == 30.0  # ln(43 / 0.03) / 1.4 = 5.19 < C
+    assert keep_alive_s(0.1, 30.0, 0.03, 300.0) == pytest.approx(math.log(4 / 0.03) / 0.1)
+    assert keep_alive_s(0.1, 30.0, 0.03, 300.0) == pytest.approx(48.93, abs=0.01)
+    assert keep_alive_s(0.01, 30.0, 0.03, 300.0) == 300.0  # 377 s, capped
+    assert keep_alive_s(0.0, 30.0, 0.03, 300.0) == 300.0  # no rate known: the cap
+    # the budget holds at the derived T: exp(-r T) (1 + r C) == eps where the log term binds
+    r, c, eps = 0.05, 30.0, 0.03
+    t = keep_alive_s(r, c, eps, 1e9)
+    assert math.exp(-r * t) * (1 + r * c) == pytest.approx(eps)
+    # a tighter budget keeps alive longer
+    assert keep_alive_s(0.1, 30.0, 0.01, 300.0) > keep_alive_s(0.1, 30.0, 0.03, 300.0)
+
+
+def test_the_slo_path_goes_to_zero_after_the_derived_keep_alive() -> None:
+    # cold start 5 s (slo_cfg), windows of 100 tok/s, prompts of mean 1,000: r = 0.1/s ->
+    # T = max(5, ln((1 + 0.5) / 0.03) / 0.1) = 39.1 s, not idle_to_zero_s (300 s)
+    cfg = slo_cfg()
+    state = AutoscaleState(windows=(100.0,) * 12, window_start=(0.0, 0.0))
+    busy = {
+        "prefill": RoleDemand(1, 1, ongoing=1, tokens_per_s=1000.0, prompt_tokens_mean=1000),
+        "decode": RoleDemand(1, 1, ongoing=1),
+    }
+    state, _ = decide(state, busy, cfg, now=0.0)
+    assert state.keep_alive_s == pytest.approx(math.log(1.5 / 0.03) / 0.1)
+    idle = {
+        "prefill": RoleDemand(1, 1, tokens_per_s=1000.0, prompt_tokens_mean=1000),
+        "decode": RoleDemand(1, 1),
+    }
+    s1, out = decide(state, idle, cfg, now=39.0)
+    assert out["prefill"].reason != "idle_to_zero" and out["prefill"].replicas == 1
+    s2, out = decide(s1, idle, cfg, now=39.2)
+    assert (out["prefill"].replicas, out["prefill"].reason) == (0, "idle_to_zero")
+    assert (out["decode"].replicas, out["decode"].reason) == (0, "idle_to_zero")
+    # the derived keep-alive survives the state's round trip (the live policy stores it)
+    assert AutoscaleState.from_dict(s2.to_dict()).keep_alive_s == state.keep_alive_s
+    # without slo, idle_to_zero_s stays the keep-alive
+    plain = cfg.model_copy(update={"slo": None})
+    s3, _ = decide(AutoscaleState(), busy, plain, now=0.0)
+    assert s3.keep_alive_s is None
+    _, out = decide(s3, idle, plain, now=39.2)
+    assert out["prefill"].reason != "idle_to_zero"
 
 
 def test_without_slo_the_state_keeps_no_windows() -> None:
