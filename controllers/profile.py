@@ -120,6 +120,13 @@ class DecodeProfile(_Frozen):
         """ITL of one synchronous decode step at batch size ``batch``."""
         return self.l_min_s + self.alpha_s * max(0, batch - self.b0)
 
+    def rescaled(self, l_min_s: float) -> DecodeProfile:
+        """The curve with a measured floor ``l_min_s``, ``alpha`` scaled by the same factor
+        (a slower node is slower per added sequence too), ``b0`` kept: how the TWP gate takes
+        a measured floor (``engines.scheduler.calibrate_decode``)."""
+        scale = l_min_s / self.l_min_s
+        return self.model_copy(update={"l_min_s": l_min_s, "alpha_s": self.alpha_s * scale})
+
 
 class EngineProfile(_Frozen):
     """What one engine costs on one hardware type (JSON on disk)."""

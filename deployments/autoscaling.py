@@ -63,6 +63,7 @@ METRICS = (
     "token_load",
     "queued_window_tokens",
     "window_tokens",
+    "decode_l_min_s",
     "used_kv_blocks",
     "total_kv_blocks",
     "warm",
@@ -156,6 +157,9 @@ def role_demand(ctx: Any) -> RoleDemand:
         # is at most the largest of its replicas')
         prompt_tokens_mean=mean("prompt_tokens_mean"),
         prompt_tokens_p99=most("prompt_tokens_p99"),
+        # decode's step floor as the TWP gates measure it: the slowest replica's (its ITL is
+        # the pool's p99)
+        l_min_s=most("decode_l_min_s"),
     )
 
 
@@ -212,11 +216,15 @@ class _Publisher:
                     "tokens_per_s": d.tokens_per_s,
                     "prompt_tokens_mean": d.prompt_tokens_mean,
                     "prompt_tokens_p99": d.prompt_tokens_p99,
+                    # and decode's step floor, as its TWP gates measure it
+                    "l_min_s": d.l_min_s,
                 }
                 for k, d in demand.items()
             },
             "cold_start_s": {k: list(r.cold_starts) for k, r in state.roles.items()},
             "inflow_tokens_per_s": state.inflow_tokens_per_s,
+            # the keep-alive in force (SLO mode: derived from the cold budget; else None)
+            "keep_alive_s": state.keep_alive_s,
         }
         try:
             from ray.experimental import internal_kv

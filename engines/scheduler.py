@@ -235,9 +235,7 @@ class PdserveSchedulerMixin:
         if self.gate is None or self.profile is None or not l_min_s > 0:
             return None
         old = self.profile.decode
-        scale = l_min_s / old.l_min_s
-        decode = old.model_copy(update={"l_min_s": l_min_s, "alpha_s": old.alpha_s * scale})
-        self.profile = self.profile.model_copy(update={"decode": decode})
+        self.profile = self.profile.model_copy(update={"decode": old.rescaled(l_min_s)})
         self.gate.set_l_min(self.profile, restart=restart)
         self.l_min_updates += 1
         return {"l_min_s": l_min_s, "profile_l_min_s": old.l_min_s}

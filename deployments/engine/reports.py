@@ -99,7 +99,9 @@ class Reports(Health, LiveConfig):
         names in its ``METRICS``): engine calls in flight (health probes and stats calls are
         not engine calls, so a load balancer's probes do not keep an idle pool alive), the
         prefill backlog and cumulative uncached tokens with this hardware's prefill rate and the
-        recent prompts' mean and p99 (uncached tokens, for the SLO sizing), the TWP load and window and the KV blocks in use, and whether this replica is warm."""
+        recent prompts' mean and p99 (uncached tokens, for the SLO sizing), the TWP load and window
+        and its decode floor ``l_min`` as measured here, the KV blocks in use, and whether this
+        replica is warm."""
         load = self.engine.load
         out = {
             "requests_in_flight": float(self.in_flight),
@@ -119,6 +121,9 @@ class Reports(Health, LiveConfig):
             # requests the TWP gate holds, each at the routers' expected output
             waiting = int(load.get("waiting") or 0)
             out["queued_window_tokens"] = float(waiting * self.cfg.routing.expected_output_tokens)
+        twp = (load.get("policy") or {}).get("twp_state")
+        if twp and twp.get("l_min_s"):  # the TWP gate's decode floor, as this engine measured
+            out["decode_l_min_s"] = float(twp["l_min_s"])  # it (the SLO sizing's step curve)
         total = load.get("total_kv_blocks")
         if total:
             out["total_kv_blocks"] = float(total)

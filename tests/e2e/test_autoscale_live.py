@@ -69,6 +69,8 @@ def test_the_slo_autoscaler_serves_a_scaled_trace_sized_by_its_replicas_reports(
     assert seen["prompt_tokens_p99"] > 0 and seen["prompt_tokens_mean"] > 0, seen
     assert seen["prompt_tokens_p99"] >= seen["prompt_tokens_mean"]
     assert seen["tokens_per_s"] > 0, seen
+    # and decode's step floor from its TWP gate's own measurement, not the profile's
+    assert slo["autoscaling_demand"]["decode"]["l_min_s"] > 0, slo["autoscaling_demand"]
     reasons = {d["reason"] for d in slo["autoscaling_decisions"].values()}
     assert reasons <= SLO_REASONS, reasons
     # the decode step curve the app resolved from its profile rode in the policy's config

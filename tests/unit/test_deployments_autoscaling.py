@@ -241,3 +241,12 @@ def test_an_slo_without_a_step_curve_gets_the_decode_profiles() -> None:
     assert got is not None and got.decode_step is None
     plain = load_app_config(base, environ={})
     assert plain.resolved_autoscaling() == plain.autoscaling
+
+
+def test_role_demand_takes_the_slowest_decode_floor_the_gates_measure() -> None:
+    """The pool's ITL p99 is its slowest replica's, so the sizing takes the largest measured
+    ``l_min``; none reported (no TWP gate), none used."""
+    _, ctx = context("decode", 3, metrics={"decode_l_min_s": [0.006, 0.009, 0]})
+    assert role_demand(ctx).l_min_s == 0.009
+    _, ctx = context("decode", 1)
+    assert role_demand(ctx).l_min_s is None

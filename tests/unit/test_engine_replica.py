@@ -155,3 +155,8 @@ def test_a_replica_reports_its_recent_prompts_mean_and_p99_to_the_autoscaler() -
     out = Reports.record_autoscaling_stats(me)  # type: ignore[arg-type]
     assert (out["prompt_tokens_mean"], out["prompt_tokens_p99"]) == (107.5, 300.0)
     assert set(out) <= set(METRICS)  # every metric is one the policy's module documents
+    assert "decode_l_min_s" not in out  # no TWP gate: no measured floor
+    # a decode replica with a TWP gate reports the floor the gate measures
+    me.engine.load["policy"] = {"twp_state": {"l_min_s": 0.0071, "sigma": 1.0}}
+    out = Reports.record_autoscaling_stats(me)  # type: ignore[arg-type]
+    assert out["decode_l_min_s"] == 0.0071 and set(out) <= set(METRICS)
