@@ -106,6 +106,7 @@ class HopsPhase(AdmissionPhase):
                 raise engine_error("prefill", prep, e) from None
             cold = self._cold_wait(prep, "prefill", req.request_id)
             prep.run.timing["prefill"] = time.monotonic() - t - pre.engine_s - cold
+            prep.run.timing["prefill_engine"] = pre.engine_s
             set_attrs(
                 span,
                 {
@@ -234,6 +235,7 @@ class HopsPhase(AdmissionPhase):
                 n_out += len(ch.token_ids)
                 waited = prep.run.last_chunk_at - t - ch.engine_s - cold  # outside the engine
                 prep.run.timing.setdefault("decode_first", waited)
+                prep.run.timing.setdefault("decode_first_engine", ch.engine_s)
                 prep.run.timing["decode"] = waited
                 if ch.finish_reason is not None and ch.finish_reason not in FINISH_REASONS:
                     raise RequestError(f"decode ended with {ch.finish_reason!r}", None, status=502)

@@ -33,7 +33,11 @@ class Records(AdmissionPhase):
         #: tokenize, hash), ``route`` (index lookup), ``prefill`` (the prefill call's wall
         #: time minus the replica's engine time: routing, transport, queueing in Serve),
         #: ``decode_first`` (the same up to the decode's first chunk), ``decode`` (up to its
-        #: last), ``respond`` (after the last chunk until the response is done)
+        #: last), ``respond`` (after the last chunk until the response is done); and the
+        #: engines' own time beside them (queueing in the engine included), which is where a
+        #: TTFT goes when the overhead is small: ``prefill_engine`` (the prefill replica, from
+        #: receiving the request to its result) and ``decode_first_engine`` (the decode
+        #: replica, to its first chunk: admission, the KV pull, the first step)
         self.phases: dict[str, deque[float]] = {
             k: deque(maxlen=4096)
             for k in (
@@ -41,7 +45,9 @@ class Records(AdmissionPhase):
                 "route",
                 "cold_start",
                 "prefill",
+                "prefill_engine",
                 "decode_first",
+                "decode_first_engine",
                 "decode",
                 "respond",
             )

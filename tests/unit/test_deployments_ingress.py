@@ -238,8 +238,20 @@ def test_route_hint_and_phase_timings(wired: Any) -> None:
     assert dec.seen[-1].route is not None and dec.seen[-1].route.expected_output_tokens == 300
     s = client.get("/v1/pdserve/stats", headers=OP).json()
     phases = s["ingress"]["phases_s"]
-    assert set(phases) == {"prepare", "route", "prefill", "decode_first", "decode", "respond"}
+    assert set(phases) == {
+        "prepare",
+        "route",
+        "prefill",
+        "prefill_engine",
+        "decode_first",
+        "decode_first_engine",
+        "decode",
+        "respond",
+    }
     assert all(p["n"] == 1 for p in phases.values()), phases
+    # the engines' own time is the stand-ins' engine_s, not the ingress's overhead
+    assert phases["prefill_engine"]["max"] == pytest.approx(0.01)  # FakeEngine._prefill's
+    assert phases["decode_first_engine"]["max"] == pytest.approx(0.02)  # its first chunk's
     assert s["ingress"]["overhead_s"]["n"] == 1
     assert s["index"]["backend"] == "none" and s["router"]["policy"] == "prefix_load"
 
