@@ -218,6 +218,58 @@ def _psutil() -> Any:
     return psutil
 
 
+def process_kind(cmdline: Sequence[str]) -> str:
+    """What a process is, for the CPU breakdown: Ray's workers and vLLM's engine cores carry
+    their role in their title (``ray::ServeReplica:app:Prefill``, ``VLLM::EngineCore``), the
+    rest by program (``raylet``, ``gcs_server``, ``redis-server``; a Python one by its
+    script or module)."""
+    if not cmdline:
+        return "?"
+    first = cmdline[0].split()[0] if cmdline[0].strip() else "?"
+    if first.startswith(("ray::", "VLLM")):
+        return first[:80]
+    prog = os.path.basename(first)
+    if prog.startswith("python"):
+        rest = [a for a in cmdline[1:] if not a.startswith("-")]
+        if "-m" in cmdline[1:]:
+            i = list(cmdline).index("-m")
+            return f"python -m {cmdline[i + 1]}"[:80] if i + 1 < len(cmdline) else prog
+        return f"python {os.path.basename(rest[0])}"[:80] if rest else prog
+    return prog[:80]
+
+
+def cpu_by_kind(
+    before: Mapping[int, tuple[str, float]], after: Mapping[int, tuple[str, float]]
+) -> dict[str, float]:
+    """CPU seconds spent between two :meth:`ProcessWatch.cpu_seconds` snapshots, summed by
+    process kind, largest first (a process started in between counts from zero; one that
+    ended in between is lost, which the total says nothing of)."""
+    sums: dict[str, float] = {}
+    for kind, spent in _spent(before, after):
+        sums[kind] = sums.get(kind, 0.0) + spent
+    return dict(sorted(((k, round(v, 2)) for k, v in sums.items()), key=lambda kv: -kv[1]))
+
+
+def cpu_by_process(
+    before: Mapping[int, tuple[str, float]], after: Mapping[int, tuple[str, float]], top: int = 12
+) -> list[list[Any]]:
+    """The ``top`` processes by CPU seconds spent between two snapshots, ``[kind, seconds]``
+    each, largest first: two replicas of one role apart (a routing imbalance shows here)."""
+    rows = sorted(_spent(before, after), key=lambda kv: -kv[1])[:top]
+    return [[k, round(v, 2)] for k, v in rows]
+
+
+def _spent(
+    before: Mapping[int, tuple[str, float]], after: Mapping[int, tuple[str, float]]
+) -> list[tuple[str, float]]:
+    out = []
+    for pid, (kind, t) in after.items():
+        was = before.get(pid)
+        spent = t - was[1] if was is not None and was[0] == kind else t
+        out.append((kind, max(0.0, spent)))
+    return out
+
+
 class ProcessWatch:
     """Resident memory and CPU of the processes started after construction (the system under
     test: Ray head, replicas, engines, Redis), excluding this process and its children."""
@@ -262,6 +314,17 @@ class ProcessWatch:
             with contextlib.suppress(ps.Error):
                 total += p.cpu_percent(None)
         return total
+
+    def cpu_seconds(self) -> dict[int, tuple[str, float]]:
+        """Each of the system's processes' CPU seconds so far (user + system), by pid, with
+        its kind (:func:`process_kind`)."""
+        ps = _psutil()
+        out: dict[int, tuple[str, float]] = {}
+        for p in self.procs():
+            with contextlib.suppress(ps.Error):
+                t = p.cpu_times()
+                out[p.pid] = (process_kind(p.cmdline() or [p.name()]), t.user + t.system)
+        return out
 
     def sample(self, period_s: float = 1.0) -> None:
         """Keep the peak resident memory in the background until :meth:`stop`."""
@@ -454,6 +517,18 @@ def engine_replicas(url: str) -> dict[str, list[dict[str, Any]]]:
     }
 
 
+def pdserve_stats(url: str) -> dict[str, Any]:
+    """The ingress's whole ``/v1/pdserve/stats`` (its phase times, each replica's report,
+    the autoscaler's decisions), kept beside a run for the cause analysis of issue 39; empty
+    when it does not answer."""
+    import httpx
+
+    try:
+        return dict(httpx.get(f"{url}/v1/pdserve/stats", timeout=30).json())
+    except Exception:  # noqa: BLE001 - a figure missing, not a failed run
+        return {}
+
+
 @dataclass
 class Measured:
     """One system's figures."""
@@ -507,6 +582,7 @@ def measure(
         replicas = _prefill_replica_ids(env) if system.kind == "peer" else []
         before = peer_prefix_counts(metrics_port, replicas) if replicas else None
         watch.sample()
+        cpu0 = watch.cpu_seconds()
         bar = tqdm(total=len(reqs), desc=name, unit="req", disable=not progress)
         try:
             results, wall = asyncio.run(
@@ -515,10 +591,17 @@ def measure(
         finally:
             bar.close()
             watch.stop()
+        cpu1 = watch.cpu_seconds()
+        cpu = cpu_by_kind(cpu0, cpu1)
         summary = summarize(url, results, wall)
+        summary["cpu_s_by_kind"] = cpu
+        summary["cpu_s_top_processes"] = cpu_by_process(cpu0, cpu1)
+        summary["cpu_s"] = round(sum(cpu.values()), 2)
         summary["cached_token_source"] = "usage"
         if system.kind == "pdserve":
             summary["replicas"] = engine_replicas(url)
+            (out / name).mkdir(parents=True, exist_ok=True)
+            (out / name / "stats.json").write_text(json.dumps(pdserve_stats(url), indent=2))
         if before is not None:
             hits, queries = peer_prefix_counts(metrics_port, replicas)
             dq = queries - before[1]

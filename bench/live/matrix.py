@@ -74,6 +74,7 @@ METRICS: dict[str, bool] = {
     "itl_p99": False,
     "cached_token_ratio": True,
     "quiet_ttft_p99": False,
+    "cpu_s": False,
 }
 #: ``cache_pressure``'s document popularity: flatter than the RAG mix's 1.1 so that most
 #: documents come back (with 86 documents and 172 requests at seed 0, 69 are requested:
@@ -396,6 +397,10 @@ def figures(
         "quiet_ttft_p99": _stats(list(quiet_ttfts))["p99"] if quiet_ttfts else None,
         "errors": summary.get("errors"),
         "requests": summary.get("requests"),
+        # CPU seconds the system's processes spent over the replay (same requests on both
+        # sides: on a 2-core machine, what one system burns the engines cannot use)
+        "cpu_s": summary.get("cpu_s"),
+        "cpu_s_by_kind": summary.get("cpu_s_by_kind"),
     }
 
 

@@ -250,3 +250,39 @@ def test_the_report_tables_every_system_names_the_failed_one_and_plots(tmp_path:
     assert "- ttft_p99 <= 0.8x: not met" in text and "- ttft_p50 <= 0.8x: met" in text
     assert all(f.exists() and f.stat().st_size > 0 for f in files)
     assert {f.name for f in files} == {"report.md", "compare.png", "ttft_cdf.png"}
+
+
+def test_process_kind_names_ray_roles_engines_and_programs() -> None:
+    from bench.live.compare import process_kind
+
+    assert process_kind(["ray::ServeReplica:pdserve:Prefill", ""]) == (
+        "ray::ServeReplica:pdserve:Prefill"
+    )
+    assert process_kind(["VLLM::EngineCore"]) == "VLLM::EngineCore"
+    assert process_kind(["/opt/ray/core/src/ray/raylet/raylet", "--x=1"]) == "raylet"
+    assert process_kind(["/venv/bin/python3", "-u", "/x/ray/_private/log_monitor.py"]) == (
+        "python log_monitor.py"
+    )
+    assert process_kind(["python", "-m", "ray.dashboard.agent"]) == "python -m ray.dashboard.agent"
+    assert process_kind([]) == "?"
+
+
+def test_cpu_by_kind_counts_only_the_time_spent_between_snapshots() -> None:
+    from bench.live.compare import cpu_by_kind, cpu_by_process
+
+    before = {1: ("raylet", 10.0), 2: ("VLLM::EngineCore", 100.0), 3: ("gone", 5.0)}
+    after = {
+        1: ("raylet", 12.5),
+        2: ("VLLM::EngineCore", 160.0),
+        4: ("VLLM::EngineCore", 7.0),  # started in between: all of its time counts
+        5: ("raylet", 1.0),  # a recycled pid of another kind would count from zero
+    }
+    got = cpu_by_kind(before, after)
+    assert got == {"VLLM::EngineCore": 67.0, "raylet": 3.5}
+    assert list(got) == ["VLLM::EngineCore", "raylet"]  # largest first
+    # per process, two engines of one kind stay apart
+    assert cpu_by_process(before, after, top=3) == [
+        ["VLLM::EngineCore", 60.0],
+        ["VLLM::EngineCore", 7.0],
+        ["raylet", 2.5],
+    ]
