@@ -404,6 +404,60 @@ def figures(
     }
 
 
+#: The ingress's phases before the first token, outside the engines (``/v1/pdserve/stats``).
+OVERHEAD_TO_FIRST = ("prepare", "route", "cold_start", "prefill", "decode_first")
+#: CPU roles of the breakdown, in the report's order.
+CPU_ROLES = ("prefill", "decode", "engine processes", "http", "serve controller", "ray and other")
+
+
+def cpu_role(kind: str) -> str:
+    """A process kind's role in the CPU breakdown (:func:`bench.live.compare.process_kind`):
+    a replica of a role by its title (pdserve's engines run inside their replicas); the
+    peer's ``VLLM::EngineCore`` and ``VLLM::Worker`` processes, of either role, as ``engine
+    processes``; ingress and Serve's proxy as ``http``."""
+    k = kind.lower()
+    if k.startswith("vllm::"):
+        return "engine processes"
+    if "prefill" in k:
+        return "prefill"
+    if "decode" in k:
+        return "decode"
+    if "ingress" in k or "proxyactor" in k:
+        return "http"
+    if "servecontroller" in k:
+        return "serve controller"
+    return "ray and other"
+
+
+def breakdown(summary: Mapping[str, Any], stats: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Where one run's time went: the mean TTFT and, for pdserve, its parts from the ingress's
+    phase means (one ingress replica's sample): the overhead before the first token
+    (:data:`OVERHEAD_TO_FIRST`), the prefill engine's time and the decode engine's time to its
+    first chunk (queueing inside each engine included); and the CPU seconds of the replay by
+    role (:func:`cpu_role`), with their total per request."""
+    phases = ((stats or {}).get("ingress") or {}).get("phases_s") or {}
+
+    def mean(k: str) -> float | None:
+        v = (phases.get(k) or {}).get("mean")
+        return None if v is None else float(v)
+
+    out: dict[str, Any] = {"ttft_mean_s": (summary.get("ttft") or {}).get("mean")}
+    if phases:
+        out["overhead_to_first_s"] = sum(mean(k) or 0.0 for k in OVERHEAD_TO_FIRST)
+        out["prefill_engine_s"] = mean("prefill_engine")
+        out["decode_first_engine_s"] = mean("decode_first_engine")
+        out["phases_n"] = (phases.get("prepare") or {}).get("n")
+    kinds = summary.get("cpu_s_by_kind") or {}
+    if kinds:
+        roles = dict.fromkeys(CPU_ROLES, 0.0)
+        for kind, sec in kinds.items():
+            roles[cpu_role(kind)] += float(sec)
+        out["cpu_s_by_role"] = {k: round(v, 2) for k, v in roles.items()}
+        ok = (summary.get("requests") or 0) - (summary.get("errors") or 0)
+        out["cpu_s_per_request"] = sum(roles.values()) / ok if ok > 0 else None
+    return out
+
+
 def spread(xs: Sequence[float]) -> dict[str, Any]:
     """Median, min and max of ``xs`` (None each when empty)."""
     if not xs:
@@ -692,10 +746,74 @@ def report(res: Mapping[str, Any], out: Path) -> list[Path]:
             f"| {_fmt(f.get('itl_p99'), '{:.3f}')} | {_fmt(f.get('cached_token_ratio'))} "
             f"| {_fmt(f.get('quiet_ttft_p99'), '{:.3f}')} | {f.get('errors', '-')} |"
         )
+    lines += breakdown_table(res)
     lines += ["", "![median ratios](heatmap.png)", ""]
     (out / "report.md").write_text("\n".join(lines))
     heatmap(res, out / "heatmap.png", metrics)
     return [out / "report.md", out / "heatmap.png"]
+
+
+def breakdown_table(res: Mapping[str, Any]) -> list[str]:
+    """The report's "Where the time goes" section: per cell and system, the medians over the
+    repeats of each run's :func:`breakdown` (none when no run has one)."""
+    rows = []
+    for name, c in res["cells"].items():
+        for system in res["systems"]:
+            bs = [
+                r["figures"]["breakdown"]
+                for r in c.get("runs") or []
+                if r["system"] == system and (r.get("figures") or {}).get("breakdown")
+            ]
+            if not bs:
+                continue
+
+            def med(key: str, bs: list[dict[str, Any]] = bs) -> float | None:
+                return spread([b[key] for b in bs if b.get(key) is not None])["median"]
+
+            def role(r: str, bs: list[dict[str, Any]] = bs) -> float | None:
+                xs = [b["cpu_s_by_role"][r] for b in bs if b.get("cpu_s_by_role")]
+                return spread(xs)["median"]
+
+            ms = "{:.0f}"
+            cells = [
+                _fmt(None if med("ttft_mean_s") is None else 1e3 * med("ttft_mean_s"), ms),
+                _fmt(
+                    None
+                    if med("overhead_to_first_s") is None
+                    else 1e3 * med("overhead_to_first_s"),
+                    ms,
+                ),  # fmt: skip
+                _fmt(
+                    None if med("prefill_engine_s") is None else 1e3 * med("prefill_engine_s"), ms
+                ),  # fmt: skip
+                _fmt(
+                    None
+                    if med("decode_first_engine_s") is None
+                    else 1e3 * med("decode_first_engine_s"),
+                    ms,
+                ),  # fmt: skip
+                *(_fmt(role(r), "{:.0f}") for r in CPU_ROLES),
+                _fmt(med("cpu_s_per_request"), "{:.2f}"),
+            ]
+            rows.append(f"| {name} | {system} | {len(bs)} | " + " | ".join(cells) + " |")
+    if not rows:
+        return []
+    return [
+        "",
+        "## Where the time goes",
+        "",
+        "Medians over the repeats. TTFT mean and, for pdserve, its parts from one ingress "
+        "replica's phase means: the ingress's overhead before the first token, the prefill "
+        "engine's time and the decode engine's time to its first chunk (each engine's "
+        "queueing included). CPU: seconds the system's processes spent over the replay, by "
+        "role (pdserve's engines run inside their replicas; the peer's in `VLLM::` "
+        "processes of either role).",
+        "",
+        "| cell | system | runs | TTFT mean ms | overhead to first ms | prefill engine ms "
+        "| decode first engine ms | CPU s: " + " | ".join(CPU_ROLES) + " | CPU s per request |",
+        "|---|---|---|---|---|---|---|" + "---|" * len(CPU_ROLES) + "---|",
+        *rows,
+    ]
 
 
 def heatmap(res: Mapping[str, Any], path: Path, metrics: Sequence[str]) -> Path:
@@ -819,6 +937,10 @@ def live_runner(model: str, progress: bool = True) -> RunSystem:
             if req.label == "tenant:quiet" and res.ok and res.ttft_s is not None
         ]
         f = figures(m.summary, quiet if cell.workload == "multi_tenant" else None)
+        stats = out / system / "stats.json"  # pdserve's, kept by measure
+        f["breakdown"] = breakdown(
+            m.summary, json.loads(stats.read_text()) if stats.exists() else None
+        )
         f["deploy_to_first_token_s"] = m.deploy_to_first_token_s
         f["rss_peak_bytes"] = m.rss_peak_bytes
         return f

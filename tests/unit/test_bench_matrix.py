@@ -323,3 +323,75 @@ def test_multi_tenant_config_requires_keys_and_turns_the_fair_share_on() -> None
     assert args["prefill"]["scheduler_config"] == {"profile": "auto", "fair_share": True}
     stock = mx.tenant_config(pdserve_config(base, SYSTEMS["pdserve-fcfs-rr"]), {})
     assert "scheduler_config" not in stock["applications"][0]["args"]["prefill"]
+
+
+def test_cpu_roles_of_both_systems_processes() -> None:
+    assert mx.cpu_role("ray::ServeReplica:pdserve:prefill") == "prefill"
+    assert mx.cpu_role("ray::ServeReplica:peer:Decode:bench") == "decode"
+    assert mx.cpu_role("VLLM::EngineCore") == "engine processes"  # the peer's, either role
+    assert mx.cpu_role("VLLM::Worker") == "engine processes"
+    assert mx.cpu_role("ray::ServeReplica:peer:OpenAiIngress") == "http"
+    assert mx.cpu_role("ray::ProxyActor") == "http"
+    assert mx.cpu_role("ray::ServeController.listen_for_change") == "serve controller"
+    assert mx.cpu_role("gcs_server") == "ray and other"
+
+
+def test_breakdown_of_one_run_parts_of_the_ttft_and_cpu_by_role() -> None:
+    summary = {
+        "requests": 10,
+        "errors": 2,
+        "ttft": {"mean": 1.5},
+        "cpu_s_by_kind": {
+            "ray::ServeReplica:pdserve:prefill": 30.0,
+            "ray::ServeReplica:pdserve:decode": 20.0,
+            "ray::ServeReplica:pdserve:ingress": 4.0,
+            "ray::ProxyActor": 2.0,
+            "gcs_server": 1.0,
+        },
+    }
+    ph = {k: {"n": 5, "mean": 0.01} for k in mx.OVERHEAD_TO_FIRST}
+    ph |= {"prefill_engine": {"n": 5, "mean": 1.2}, "decode_first_engine": {"n": 5, "mean": 0.25}}
+    ph |= {"decode": {"n": 5, "mean": 9.0}}  # after the first token: not in the overhead
+    b = mx.breakdown(summary, {"ingress": {"phases_s": ph}})
+    assert b["ttft_mean_s"] == 1.5
+    assert b["overhead_to_first_s"] == pytest.approx(0.05)
+    assert (b["prefill_engine_s"], b["decode_first_engine_s"], b["phases_n"]) == (1.2, 0.25, 5)
+    assert b["cpu_s_by_role"] == {
+        "prefill": 30.0,
+        "decode": 20.0,
+        "engine processes": 0.0,
+        "http": 6.0,
+        "serve controller": 0.0,
+        "ray and other": 1.0,
+    }
+    assert b["cpu_s_per_request"] == pytest.approx(57.0 / 8)  # per completed request
+    # the peer: no stats, so no phases; its CPU still broken down
+    peer = mx.breakdown({"requests": 8, "cpu_s_by_kind": {"VLLM::Worker": 16.0}}, None)
+    assert "prefill_engine_s" not in peer and peer["cpu_s_per_request"] == 2.0
+
+
+def test_the_report_says_where_the_time_goes_when_runs_carry_a_breakdown(tmp_path: Path) -> None:
+    def stand_in(system: str, cell: Cell, cfg: dict, reqs: list, conc: int | None,
+                 out: Path) -> dict[str, Any]:  # fmt: skip
+        cpu = {"ray::ServeReplica:pdserve:prefill": 40.0} if system == "pdserve" else {}
+        cpu |= {} if system == "pdserve" else {"VLLM::EngineCore": 60.0}
+        stats = {"ingress": {"phases_s": {"prefill_engine": {"n": 3, "mean": 0.7}}}}
+        summary = {"requests": 20, "ttft": {"mean": 0.9}, "cpu_s_by_kind": cpu}
+        return _figs() | {
+            "breakdown": mx.breakdown(summary, stats if system == "pdserve" else None)
+        }
+
+    mx.run_matrix(
+        parse_cells("pair/closed8/rag"), tmp_path, run_system=stand_in,
+        build=lambda c, r, s: mx.workload_requests(c, r, s, limit=4), base=BASE, repeats=2,
+        progress=False,
+    )  # fmt: skip
+    md = (tmp_path / "report.md").read_text()
+    assert "## Where the time goes" in md
+    rows = {
+        ln.split(" | ")[1]: ln for ln in md.splitlines() if ln.startswith("| pair/closed8/rag | ")
+    }
+    # TTFT mean 900 ms; pdserve's prefill engine 700 ms; 40 CPU-s in prefill, 2.00 per request
+    assert rows["pdserve"].startswith("| pair/closed8/rag | pdserve | 2 | 900 | 0 | 700 | - | 40 |")
+    assert rows["pdserve"].endswith("| 2.00 |")
+    assert "| peer-connector | 2 | 900 | - | - | - | 0 | 0 | 60 |" in rows["peer-connector"]
