@@ -517,6 +517,26 @@ def engine_replicas(url: str) -> dict[str, list[dict[str, Any]]]:
     }
 
 
+def write_requests(path: Path, reqs: Sequence[LiveRequest], results: Sequence[Any]) -> None:
+    """One JSON line per request, in the replay's order: when it was sent, what the client
+    saw (TTFT, end to end, tokens, the cached tokens its usage reported, the error) and its
+    label, for the per-request look at a run (which requests made the tail)."""
+    with path.open("w") as f:
+        for req, r in zip(reqs, results, strict=False):
+            row = {
+                "label": req.label,
+                "sent_s": round(r.sent_s, 4),
+                "ok": r.ok,
+                "ttft_s": r.ttft_s,
+                "e2e_s": r.e2e_s,
+                "prompt_tokens": r.prompt_tokens,
+                "cached_tokens": r.cached_tokens,
+                "completion_tokens": r.completion_tokens,
+                "error": r.error[:200],
+            }
+            f.write(json.dumps(row) + "\n")
+
+
 def pdserve_stats(url: str) -> dict[str, Any]:
     """The ingress's whole ``/v1/pdserve/stats`` (its phase times, each replica's report,
     the autoscaler's decisions), kept beside a run for the cause analysis of issue 39; empty
@@ -612,6 +632,7 @@ def measure(
         (out / name / "summary.json").write_text(json.dumps(summary, indent=2))
         ttfts = sorted(r.ttft_s for r in results if r.ok and r.ttft_s is not None)
         (out / name / "ttft.json").write_text(json.dumps(ttfts))
+        write_requests(out / name / "requests.jsonl", reqs, results)
         return Measured(summary, deploy_s, rss_idle, watch.peak_rss, idle_cpu, list(results))
     finally:
         down()

@@ -286,3 +286,23 @@ def test_cpu_by_kind_counts_only_the_time_spent_between_snapshots() -> None:
         ["VLLM::EngineCore", 7.0],
         ["raylet", 2.5],
     ]
+
+
+def test_write_requests_keeps_one_line_per_request_in_order(tmp_path: Path) -> None:
+    import json
+
+    from bench.live.compare import write_requests
+    from bench.live.replay import LiveResult
+    from bench.workloads.replay import LiveRequest
+
+    reqs = [LiveRequest(0.0, (1, 2), 4, label="doc:3"), LiveRequest(0.5, (1,), 4)]
+    res = [
+        LiveResult(0.01, True, ttft_s=0.2, e2e_s=0.5, prompt_tokens=2, cached_tokens=1),
+        LiveResult(0.52, False, error="HTTP 400: " + "x" * 500),
+    ]
+    path = tmp_path / "requests.jsonl"
+    write_requests(path, reqs, res)
+    rows = [json.loads(ln) for ln in path.read_text().splitlines()]
+    assert [r["label"] for r in rows] == ["doc:3", ""]
+    assert rows[0]["cached_tokens"] == 1 and rows[0]["ttft_s"] == 0.2 and rows[0]["sent_s"] == 0.01
+    assert rows[1]["ok"] is False and len(rows[1]["error"]) == 200
