@@ -293,7 +293,6 @@ def test_write_requests_keeps_one_line_per_request_in_order(tmp_path: Path) -> N
 
     from bench.live.compare import write_requests
     from bench.live.replay import LiveResult
-    from bench.workloads.replay import LiveRequest
 
     reqs = [LiveRequest(0.0, (1, 2), 4, label="doc:3"), LiveRequest(0.5, (1,), 4)]
     res = [
