@@ -770,28 +770,19 @@ def breakdown_table(res: Mapping[str, Any]) -> list[str]:
             def med(key: str, bs: list[dict[str, Any]] = bs) -> float | None:
                 return spread([b[key] for b in bs if b.get(key) is not None])["median"]
 
+            def ms(key: str) -> str:
+                v = med(key)
+                return _fmt(None if v is None else 1e3 * v, "{:.0f}")
+
             def role(r: str, bs: list[dict[str, Any]] = bs) -> float | None:
                 xs = [b["cpu_s_by_role"][r] for b in bs if b.get("cpu_s_by_role")]
                 return spread(xs)["median"]
 
-            ms = "{:.0f}"
             cells = [
-                _fmt(None if med("ttft_mean_s") is None else 1e3 * med("ttft_mean_s"), ms),
-                _fmt(
-                    None
-                    if med("overhead_to_first_s") is None
-                    else 1e3 * med("overhead_to_first_s"),
-                    ms,
-                ),  # fmt: skip
-                _fmt(
-                    None if med("prefill_engine_s") is None else 1e3 * med("prefill_engine_s"), ms
-                ),  # fmt: skip
-                _fmt(
-                    None
-                    if med("decode_first_engine_s") is None
-                    else 1e3 * med("decode_first_engine_s"),
-                    ms,
-                ),  # fmt: skip
+                ms("ttft_mean_s"),
+                ms("overhead_to_first_s"),
+                ms("prefill_engine_s"),
+                ms("decode_first_engine_s"),
                 *(_fmt(role(r), "{:.0f}") for r in CPU_ROLES),
                 _fmt(med("cpu_s_per_request"), "{:.2f}"),
             ]
