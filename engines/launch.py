@@ -75,6 +75,13 @@ class KVTransfer(_Strict):
         default=False,
         description="Keep NIXL's busy-polling progress thread (vLLM's stock behaviour).",
     )
+    progress_poll_us: int = Field(
+        default=1000,
+        ge=0,
+        le=1_000_000,
+        description="Without the stock thread: NIXL's progress thread paced at one poll per "
+        "this many microseconds (engines.nixl_connector); 0: no thread.",
+    )
     load_failure_policy: LoadFailurePolicy = Field(
         default="recompute", description="What a consumer does when a KV load fails."
     )
@@ -298,6 +305,7 @@ def engine_args(launch: EngineLaunch) -> dict[str, Any]:
             "kv_load_failure_policy": t.load_failure_policy,
             "kv_connector_extra_config": {
                 "nixl_progress_thread": t.progress_thread,
+                "nixl_progress_poll_us": t.progress_poll_us,
                 "pdserve_fault_injection": t.fault_injection,
             },
         }

@@ -11,15 +11,28 @@ this module is loaded by vLLM instead of its own connector::
         "kv_connector_module_path": "engines.nixl_connector",
         "kv_role": "kv_producer",            # or "kv_consumer"
         "kv_buffer_device": "cpu",
-        "kv_connector_extra_config": {"nixl_progress_thread": False},  # the default
+        "kv_connector_extra_config": {"nixl_progress_thread": False,  # the default
+                                      "nixl_progress_poll_us": 1000},  # the default
     }
 
 The class keeps the name ``NixlConnector`` so vLLM's NIXL-specific checks (which compare the
 connector's name) still apply. After the stock worker initialisation, and before any memory is
-registered, the worker's agent is replaced by one built with ``enable_prog_thread=False`` and a
+registered, the worker's agent is replaced by one built with a **paced** progress thread and a
 thread-safe sync mode (vLLM calls the agent from its handshake thread as well as the engine
-thread). Without the progress thread, NIXL makes progress when vLLM polls transfer state and
-notifications, which it does every engine step. Nothing installed is patched.
+thread).
+
+**Paced progress** (``nixl_progress_poll_us``, 1,000 by default). NIXL's progress thread sleeps
+``pthrDelay`` microseconds between polls; NIXL's Python wrapper sets it to 0 (the spin) with no
+way to pass another value, so :func:`paced_agent` builds the agent with a config type that
+keeps the given delay (swapped in for that one construction, under a lock). Why a thread at
+all: without one, NIXL makes progress only when vLLM polls transfer state and notifications,
+once per engine step, on both sides of a transfer. A decode step is ~0.1 s and a prefill step
+of a long prompt seconds on CPU, so a pull of a few MB that the shared-memory transport moves
+in milliseconds took 0.4-4 s on average (vLLM's own ``KV Transfer metrics``: 1.3-9 MB/s, p90
+up to 12 s, on the ``bench`` model with two prefill replicas on one core; issue 39), and that
+wait was a quarter of the TTFT. At one poll a millisecond the thread costs a few percent of a
+core. ``0`` turns the thread off (progress at engine steps only, the previous behaviour).
+Nothing installed is patched beyond that one constructor swap.
 
 **Early release** (:meth:`NixlConnector.release_kv`). A prefill engine keeps a finished
 request's blocks until a decode engine has pulled them (its NIXL notification) or the lease
@@ -51,6 +64,11 @@ logger = init_logger(__name__)
 #: ``kv_connector_extra_config`` key: ``True`` keeps NIXL's own progress thread (vLLM's stock
 #: behaviour, for before/after measurements); ``False`` (the default) turns it off.
 PROGRESS_THREAD_KEY = "nixl_progress_thread"
+#: ``kv_connector_extra_config`` key: with the stock thread off, NIXL's progress thread paced at
+#: one poll per this many microseconds (0: no thread; see the module docstring).
+PROGRESS_POLL_KEY = "nixl_progress_poll_us"
+#: its default
+DEFAULT_PROGRESS_POLL_US = 1000
 #: ``kv_connector_extra_config`` key: ``True`` lets tests fail this process's next KV reads
 #: (:func:`fail_next_reads`); off in production.
 FAULT_INJECTION_KEY = "pdserve_fault_injection"
@@ -97,15 +115,19 @@ class FaultyAgent:
 
 
 def agent_config_without_progress_thread(
-    num_threads: int, backends: list[str], capture_telemetry: bool = True
+    num_threads: int,
+    backends: list[str],
+    capture_telemetry: bool = True,
+    progress_thread: bool = False,
 ) -> Any:
-    """A ``nixl_agent_config`` equal to vLLM's, but with the progress thread off and a
-    thread-safe sync mode (``NIXL_THREAD_SYNC_STRICT``)."""
+    """A ``nixl_agent_config`` equal to vLLM's, but with a thread-safe sync mode
+    (``NIXL_THREAD_SYNC_STRICT``) and the progress thread off unless ``progress_thread`` (which
+    :func:`paced_agent` then paces)."""
     from nixl._api import nixl_agent_config, nixl_thread_sync_t
 
     non_ucx = [b for b in backends if b != "UCX"]
     kwargs: dict[str, Any] = {
-        "enable_prog_thread": False,
+        "enable_prog_thread": progress_thread,
         "capture_telemetry": capture_telemetry,
         "sync_mode": nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
     }
@@ -117,18 +139,49 @@ def agent_config_without_progress_thread(
     return nixl_agent_config(**kwargs)
 
 
-def rebuild_agent_without_progress_thread(worker: Any) -> None:
+_paced_lock = threading.Lock()
+
+
+def paced_agent(name: str, config: Any, poll_us: int) -> Any:
+    """``nixl_agent(name, config)`` whose progress thread sleeps ``poll_us`` microseconds
+    between polls. The wrapper builds its ``nixlAgentConfig`` itself and sets ``pthrDelay =
+    0``; for this one construction the module's config type is a subclass that keeps
+    ``poll_us`` instead (restored at once, under a lock; no other agent is built meanwhile)."""
+    import nixl._api as api
+
+    base = api.nixlBind.nixlAgentConfig
+
+    class _Paced(base):  # type: ignore[misc, valid-type]
+        def __setattr__(self, key: str, value: Any) -> None:
+            super().__setattr__(key, poll_us if key == "pthrDelay" else value)
+
+    with _paced_lock:
+        api.nixlBind.nixlAgentConfig = _Paced
+        try:
+            return api.nixl_agent(name, config)
+        finally:
+            api.nixlBind.nixlAgentConfig = base
+
+
+def rebuild_agent_without_progress_thread(worker: Any, poll_us: int = 0) -> None:
     """Replace ``worker.nixl_wrapper`` (a fresh agent, nothing registered yet) by an agent of the
-    same name built without a progress thread. The old agent is dropped first, which joins its
+    same name without NIXL's spinning progress thread: with ``poll_us`` > 0 a paced one
+    (:func:`paced_agent`), else none. The old agent is dropped first, which joins its
     thread."""
     from nixl._api import nixl_agent
 
     name: str = worker.nixl_wrapper.name
     num_threads = int(worker.kv_transfer_config.get_from_extra_config("num_threads", 4))
-    config = agent_config_without_progress_thread(num_threads, list(worker.nixl_backends))
+    config = agent_config_without_progress_thread(
+        num_threads, list(worker.nixl_backends), progress_thread=poll_us > 0
+    )
     worker.nixl_wrapper = None  # release the stock agent (and its spinning thread) first
-    worker.nixl_wrapper = nixl_agent(name, config)
-    logger.info("pdserve: NIXL agent %s rebuilt without its progress thread", name)
+    if poll_us > 0:
+        worker.nixl_wrapper = paced_agent(name, config, poll_us)
+        logger.info("pdserve: NIXL agent %s rebuilt, progress polled every %d us", name, poll_us)
+    else:
+        worker.nixl_wrapper = nixl_agent(name, config)
+        logger.info("pdserve: NIXL agent %s rebuilt without its progress thread", name)
 
 
 #: metadata attribute carrying the request ids whose lease the worker ends (early release)
@@ -161,7 +214,8 @@ class NixlConnector(NixlPullConnector):
 
     Contract: identical to vLLM's ``NixlConnector`` (roles ``kv_producer`` / ``kv_consumer``,
     ``kv_transfer_params`` in and out); only the agent's threading differs. Set
-    ``kv_connector_extra_config["nixl_progress_thread"] = True`` to keep the stock thread.
+    ``kv_connector_extra_config["nixl_progress_thread"] = True`` to keep the stock thread, and
+    ``["nixl_progress_poll_us"]`` to pace the replacement (0: none).
     """
 
     def __init__(
@@ -174,8 +228,9 @@ class NixlConnector(NixlPullConnector):
         ktc = vllm_config.kv_transfer_config
         assert ktc is not None
         keep_thread = bool(ktc.get_from_extra_config(PROGRESS_THREAD_KEY, False))
+        poll_us = int(ktc.get_from_extra_config(PROGRESS_POLL_KEY, DEFAULT_PROGRESS_POLL_US))
         if role == KVConnectorRole.WORKER and self.connector_worker is not None and not keep_thread:
-            rebuild_agent_without_progress_thread(self.connector_worker)
+            rebuild_agent_without_progress_thread(self.connector_worker, poll_us)
         if (
             role == KVConnectorRole.WORKER
             and self.connector_worker is not None

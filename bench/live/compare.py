@@ -136,7 +136,13 @@ def _engine_kwargs(cfg: Any, role: str, project_connector: bool) -> tuple[dict, 
     }
     if project_connector:
         ktc["kv_connector_module_path"] = "engines.nixl_connector"
-        ktc["kv_connector_extra_config"] = {"nixl_progress_thread": False}
+        # like for like: the project's connector as pdserve's engines run it, paced progress
+        # thread included (the base config's setting)
+        poll = launch.kv_transfer.progress_poll_us if launch.kv_transfer else 0
+        ktc["kv_connector_extra_config"] = {
+            "nixl_progress_thread": False,
+            "nixl_progress_poll_us": poll,
+        }
     kw["kv_transfer_config"] = ktc
     peers_own = (
         "VLLM_ENABLE_V1_MULTIPROCESSING",

@@ -84,7 +84,15 @@ class EngineConfig(EngineSettings):
     nixl_progress_thread: bool = Field(
         default=False,
         description="Keep NIXL's busy-polling progress thread (vLLM's stock behaviour). "
-        "False: engines.nixl_connector rebuilds the agent without it.",
+        "False: engines.nixl_connector rebuilds the agent with a paced one.",
+    )
+    nixl_progress_poll_us: int = Field(
+        default=1000,
+        ge=0,
+        le=1_000_000,
+        description="The paced progress thread's sleep between polls (microseconds): KV "
+        "transfers move while the engine computes; 0: no thread, transfers progress only "
+        "at engine steps (seconds apart during a long prefill on CPU).",
     )
     kv_events: KVEventsConfig = Field(
         default_factory=KVEventsConfig, description="KV-cache event publishing."

@@ -61,6 +61,11 @@ def test_the_peer_config_is_ray_serve_llms_pd_schema_on_pdservers_engines(
             ktc = kw["kv_transfer_config"]
             assert ktc["kv_connector"] == "NixlConnector"
             assert ktc.get("kv_connector_module_path") == module_path
+            if module_path:  # like for like: pdserve's connector with pdserve's pacing
+                assert ktc["kv_connector_extra_config"] == {
+                    "nixl_progress_thread": False,
+                    "nixl_progress_poll_us": cfg.engine(role).nixl_progress_poll_us,
+                }
             env = app["args"][f"{role}_config"]["runtime_env"]["env_vars"]
             assert env["VLLM_CPU_OMP_THREADS_BIND"] == cfg.engine(role).cpu_bind
             assert env["VLLM_CPU_KVCACHE_SPACE"] == str(cfg.engine(role).kv_cache_gib)

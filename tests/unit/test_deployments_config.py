@@ -184,6 +184,7 @@ def test_engine_launch_per_role() -> None:
         assert ktc["kv_connector_module_path"] == "engines.nixl_connector"
         assert ktc["kv_buffer_device"] == "cpu"
         assert ktc["kv_connector_extra_config"]["nixl_progress_thread"] is False
+        assert ktc["kv_connector_extra_config"]["nixl_progress_poll_us"] == 1000  # paced
         # one hashing field, given to every engine (and the ingress)
         assert kw["prefix_caching_hash_algo"] == cfg.hashing.algo
         assert kw["block_size"] == cfg.hashing.block_size

@@ -120,3 +120,74 @@ def test_release_is_queued_only_on_its_engine_for_a_finished_request() -> None:
     assert release(conn, sched, "pulled", "e1") is False  # gone already (pulled or expired)
     assert release(conn, sched, "done", "e1") is True
     assert conn._to_release == {"done"}
+
+
+def _read_between_two_agents(poll_us: int, wait_s: float) -> tuple[str, bool]:
+    """Two agents of this process, ``b`` reading 8 MiB from ``a``; ``a``'s owner never polls
+    (as a prefill engine in a long step). ``b`` checks the state once after ``wait_s``: the
+    state then, and whether the bytes arrived."""
+    import time
+
+    import numpy as np
+    from nixl._api import nixl_agent
+
+    from engines.nixl_connector import agent_config_without_progress_thread, paced_agent
+
+    def make(name: str) -> Any:
+        cfg = agent_config_without_progress_thread(1, ["UCX"], progress_thread=poll_us > 0)
+        return paced_agent(name, cfg, poll_us) if poll_us else nixl_agent(name, cfg)
+
+    a, b = make(f"pdserve-src-{poll_us}"), make(f"pdserve-dst-{poll_us}")
+    src = np.arange(8 << 20, dtype=np.uint8)
+    dst = np.zeros_like(src)
+    a.register_memory(a.get_reg_descs([(src.ctypes.data, src.nbytes, 0, "")], "DRAM"))
+    b.register_memory(b.get_reg_descs([(dst.ctypes.data, dst.nbytes, 0, "")], "DRAM"))
+    b.add_remote_agent(a.get_agent_metadata())
+    a.add_remote_agent(b.get_agent_metadata())
+    h = b.initialize_xfer(
+        "READ",
+        b.get_xfer_descs([(dst.ctypes.data, dst.nbytes, 0)], "DRAM"),
+        a.get_xfer_descs([(src.ctypes.data, src.nbytes, 0)], "DRAM"),
+        a.name,
+        b"pulled",
+    )
+    b.transfer(h)
+    time.sleep(wait_s)
+    state = b.check_xfer_state(h)
+    return state, bool((dst == src).all())
+
+
+def test_a_paced_progress_thread_moves_a_read_whose_source_never_polls() -> None:
+    """Issue 39's cause: without a progress thread a read of a prefill engine's blocks waits
+    for that engine's next step (UCX's rendezvous needs the source's progress); the paced
+    thread moves it while the source computes. The contrast is what this machine's UCX does
+    today (shared memory, rendezvous): a change there would show here first."""
+    state, arrived = _read_between_two_agents(1000, 0.5)
+    assert (state, arrived) == ("DONE", True)
+    state, _ = _read_between_two_agents(0, 0.5)
+    assert state == "PROC"  # not done for vLLM (the bytes may be there; the completion is not)
+
+
+def test_a_paced_agent_does_not_spin_a_core() -> None:
+    """The stock thread (``pthrDelay`` 0) spins; the paced one sleeps between polls, so it
+    costs a small fraction of it (compared, not timed: both measured in this one run)."""
+    import time
+
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    from engines.nixl_connector import agent_config_without_progress_thread, paced_agent
+
+    def cpu_over(seconds: float) -> float:
+        t0 = time.process_time()
+        time.sleep(seconds)
+        return time.process_time() - t0
+
+    paced = paced_agent(
+        "pdserve-paced", agent_config_without_progress_thread(1, ["UCX"], True), 1000
+    )
+    paced_cpu = cpu_over(1.0)
+    del paced
+    stock = nixl_agent("pdserve-stock", nixl_agent_config(num_threads=1))
+    stock_cpu = cpu_over(1.0)
+    del stock
+    assert paced_cpu < 0.25 * stock_cpu, (paced_cpu, stock_cpu)
