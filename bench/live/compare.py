@@ -506,20 +506,14 @@ def _serve_run(path: Path, system: System, env: Mapping[str, str]) -> None:
     subprocess.run(cmd, env=dict(env), check=True, timeout=900)
 
 
-def engine_replicas(url: str) -> dict[str, list[dict[str, Any]]]:
+def engine_replicas(stats: Mapping[str, Any]) -> dict[str, list[dict[str, Any]]]:
     """Each pdserve engine replica's runtime, resident memory (with the engine processes it
     started) and event-loop lag (``loop_lag``: p50/p99/max ms of its last minute), from the
-    ingress's ``/v1/pdserve/stats``; empty when it does not answer."""
-    import httpx
-
-    try:
-        rows = httpx.get(f"{url}/v1/pdserve/stats", timeout=30).json()["replicas"]
-    except Exception:  # noqa: BLE001 - a figure missing, not a failed run
-        return {}
+    ingress's ``/v1/pdserve/stats`` (:func:`pdserve_stats`); empty when it did not answer."""
     keep = ("runtime", "rss_mb", "loop_lag")
     return {
         role: [{"id": r["id"]} | {k: r.get(k) for k in keep} for r in rs]
-        for role, rs in rows.items()
+        for role, rs in (stats.get("replicas") or {}).items()
     }
 
 
@@ -566,6 +560,9 @@ class Measured:
     idle_cpu_percent: float
     #: the replay's per-request results, in request order
     results: list[LiveResult] = field(default_factory=list)
+    #: pdserve's ``/v1/pdserve/stats`` after the replay (None for the peer), as kept in
+    #: ``stats.json``
+    stats: dict[str, Any] | None = None
 
 
 def measure(
@@ -624,10 +621,12 @@ def measure(
         summary["cpu_s_top_processes"] = cpu_by_process(cpu0, cpu1)
         summary["cpu_s"] = round(sum(cpu.values()), 2)
         summary["cached_token_source"] = "usage"
+        stats = None
         if system.kind == "pdserve":
-            summary["replicas"] = engine_replicas(url)
+            stats = pdserve_stats(url)  # one read: the replicas' figures and the kept file
+            summary["replicas"] = engine_replicas(stats)
             (out / name).mkdir(parents=True, exist_ok=True)
-            (out / name / "stats.json").write_text(json.dumps(pdserve_stats(url), indent=2))
+            (out / name / "stats.json").write_text(json.dumps(stats, indent=2))
         if before is not None:
             hits, queries = peer_prefix_counts(metrics_port, replicas)
             dq = queries - before[1]
@@ -639,7 +638,7 @@ def measure(
         ttfts = sorted(r.ttft_s for r in results if r.ok and r.ttft_s is not None)
         (out / name / "ttft.json").write_text(json.dumps(ttfts))
         write_requests(out / name / "requests.jsonl", reqs, results)
-        return Measured(summary, deploy_s, rss_idle, watch.peak_rss, idle_cpu, list(results))
+        return Measured(summary, deploy_s, rss_idle, watch.peak_rss, idle_cpu, list(results), stats)
     finally:
         down()
 

@@ -928,10 +928,7 @@ def live_runner(model: str, progress: bool = True) -> RunSystem:
             if req.label == "tenant:quiet" and res.ok and res.ttft_s is not None
         ]
         f = figures(m.summary, quiet if cell.workload == "multi_tenant" else None)
-        stats = out / system / "stats.json"  # pdserve's, kept by measure
-        f["breakdown"] = breakdown(
-            m.summary, json.loads(stats.read_text()) if stats.exists() else None
-        )
+        f["breakdown"] = breakdown(m.summary, m.stats)
         f["deploy_to_first_token_s"] = m.deploy_to_first_token_s
         f["rss_peak_bytes"] = m.rss_peak_bytes
         return f
