@@ -43,8 +43,9 @@ where waiting is not possible, falls back and counts it).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from itertools import islice
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -402,15 +403,22 @@ class InflightPrefixes:
 
     def leading(self, replica: str, hashes: Sequence[int]) -> int:
         """How many leading blocks of ``hashes`` are on their way to ``replica``."""
-        held = self._held.get(replica)
-        if not held:
-            return 0
-        n = 0
-        for h in hashes:
-            if h not in held:
-                break
-            n += 1
-        return n
+        return leading_blocks(self._held.get(replica) or (), hashes)
+
+    def blocks(self, replica: str, limit: int) -> list[int]:
+        """Up to ``limit`` of the blocks held for ``replica``, the longest-held first."""
+        return list(islice(self._held.get(replica) or (), max(0, limit)))
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+def leading_blocks(held: Collection[int], hashes: Sequence[int]) -> int:
+    """How many leading blocks of ``hashes`` are in ``held`` (block hashes chain their
+    parent's, so a block's hash in ``held`` stands for its whole prefix)."""
+    n = 0
+    for h in hashes:
+        if h not in held:
+            break
+        n += 1
+    return n

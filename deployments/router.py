@@ -63,6 +63,7 @@ from controllers.routing import (
     RouteRequest,
     RouterState,
     choose_prefill,
+    leading_blocks,
     on_dispatch,
     on_report,
     rank_decode,
@@ -316,9 +317,35 @@ class _PolicyRouter(_Bookkeeping, RequestRouter):
 
 
 class PrefillRouter(_PolicyRouter):
-    """Routes prefill calls by :func:`controllers.routing.choose_prefill`."""
+    """Routes prefill calls by :func:`controllers.routing.choose_prefill`.
+
+    A replica's prefix is what the index says it holds, or more: the blocks this router has
+    sent it that the index does not show yet (``self.pending``), and the blocks of the
+    prefill calls the replica itself reports holding (``queued_blocks``: queued or running
+    there, whichever ingress sent them), counted ``queued_prefix`` when they raise its match.
+    With several ingress replicas each router sees only its own sends; without the reports,
+    a new prefix's followers that reach another ingress while the first waits in a prefill
+    queue found it nowhere and were spread by load (measured live in the matrix's
+    ``cache_pressure`` cell, docs/design/matrix_39_causes.md)."""
 
     role = "prefill"
+
+    def initialize_state(self, *args: Any, **kwargs: Any) -> None:
+        super().initialize_state(*args, **kwargs)
+        #: replica id -> (its last report, the blocks it lists): a set built once a report
+        #: (not keyed by the report's ``ts``, the engine's last load reading, which stands
+        #: still while a long step runs and calls keep arriving)
+        self._queued: dict[str, tuple[dict[str, Any], frozenset[int]]] = {}
+
+    def _queued_blocks(self, r: RunningReplica) -> frozenset[int]:
+        """The prompt blocks of the prefill calls ``r`` last reported holding."""
+        rid = r.replica_id.unique_id
+        stats = r.routing_stats
+        seen = self._queued.get(rid)
+        if seen is None or seen[0] is not stats:
+            seen = (stats, frozenset(stats.get("queued_blocks") or ()))
+            self._queued[rid] = seen
+        return seen[1]
 
     def _routes(self, req: EngineRequest) -> bool:
         return req.route is not None
@@ -342,12 +369,18 @@ class PrefillRouter(_PolicyRouter):
             matches = {r: n for r, n in matches.items() if r in ids}
             if gone and max(gone.values()) > max(matches.values(), default=0):
                 self.counters.count("matched_replica_gone")
-            # blocks sent to a replica and not yet indexed count as its prefix
+            # blocks sent to a replica and not yet indexed count as its prefix: by this
+            # router, or by any (the replica's own report of the calls it holds)
             self.pending.expire(now)
-            for rid in ids:
+            for r in candidates:
+                rid = r.replica_id.unique_id
                 sent = self.pending.leading(rid, hint.block_hashes) * self.block_size
-                if sent > matches.get(rid, 0):
-                    matches[rid] = min(sent, p)
+                held = leading_blocks(self._queued_blocks(r), hint.block_hashes)
+                held *= self.block_size
+                if held > max(sent, matches.get(rid, 0)):
+                    self.counters.count("queued_prefix")
+                if max(sent, held) > matches.get(rid, 0):
+                    matches[rid] = min(max(sent, held), p)
         loads = [
             PrefillReplicaLoad(
                 replica_id=r.replica_id.unique_id,

@@ -50,6 +50,10 @@ class Calls(ReplicaState):
         """:meth:`_prefill`, counted in ``requests_in_flight`` while it runs."""
         self.first_call = self.first_call or req.request_id
         self.in_flight += 1
+        now = time.time()
+        self.queued_prefixes.expire(now)
+        if req.route is not None:  # its prompt's blocks count as held here from now on
+            self.queued_prefixes.add(req.request_id, self.replica_id, req.route.block_hashes, now)
         if self._prefills == 0:
             self._busy_since = time.monotonic()
         self._prefills += 1
@@ -58,6 +62,7 @@ class Calls(ReplicaState):
             self.warm = True
             return out
         finally:
+            self.queued_prefixes.done(req.request_id, time.time())
             self.in_flight -= 1
             self._prefills -= 1
             if self._prefills == 0:

@@ -15,13 +15,14 @@ from collections import deque
 from dataclasses import replace
 from typing import Any
 
+from controllers.routing import InflightPrefixes
 from controllers.slo_sizing import RECENT_PROMPTS
 from deployments.config import AppConfig, Role, engine_launch, replica_ports
 from deployments.engine.counters import EngineCounters, make_counter_logger, vllm_metrics_loggers
 from deployments.engine.faults import Faults
 from deployments.engine.identity import free_port, node_id, node_ip, serve_identity
 from deployments.engine.index_writer import IndexWriter
-from deployments.engine.reports import Reports
+from deployments.engine.reports import QUEUED_PREFIX_TTL_S, Reports
 from deployments.protocol import EngineRequest, Sampling
 from deployments.telemetry import CounterPublisher, LoopLag, metrics, tracer
 from engines.runtime import AsyncLLMEngine, InProcessEngine
@@ -88,6 +89,7 @@ class EngineReplica(Reports, Faults):
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.recent_prompts = deque(maxlen=RECENT_PROMPTS)
+        self.queued_prefixes = InflightPrefixes(ttl_s=QUEUED_PREFIX_TTL_S)
         if role == "prefill" and self.cfg.index.backend != "none" and self.ports.kv_events:
             vocab = int(self.engine.model_config.get_vocab_size())
             await self.index_writer.start(self._hash_probe, vocab)

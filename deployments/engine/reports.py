@@ -21,6 +21,12 @@ from deployments.engine.live_config import LiveConfig
 
 #: Seconds of prefill a replica runs before its measured prefill rate replaces its profile's.
 MEASURED_AFTER_S = 2.0
+#: The most prompt blocks of its prefill calls a replica's load report lists
+#: (``queued_blocks``; 4,096 blocks of 128 are 512k tokens, about 37 KB a report).
+QUEUED_BLOCKS_REPORTED = 4096
+#: A prefill call's blocks stop counting this long after it started even if it never ends
+#: (it always does: ``Calls.prefill`` marks it done; a bound, not a timing).
+QUEUED_PREFIX_TTL_S = 3600.0
 
 
 class Reports(Health, LiveConfig):
@@ -46,6 +52,7 @@ class Reports(Health, LiveConfig):
             self.metrics.set("pdserve_twp_slowdown", float(policy["twp_state"]["sigma"]), **tags)
             self._twp_events.publish(policy["twp_counters"], **tags)
         self.index_writer.publish(self._feed_events)  # the Redis feed of its own events
+        self.queued_prefixes.expire(time.time())
         return {
             **{k: v for k, v in load.items() if k != "policy"},
             "runtime": self.runtime,
@@ -72,6 +79,9 @@ class Reports(Health, LiveConfig):
             # the blocks this replica's feed holds for the Redis index (bounded by the KV
             # cache: a load test checks it stays so)
             "tracked_blocks": self.index_writer.tracked_blocks(),
+            # the prompt blocks of the prefill calls it holds, which its KV events have not
+            # shown the index yet: every ingress's router counts them as this replica's prefix
+            "queued_blocks": self.queued_prefixes.blocks(self.replica_id, QUEUED_BLOCKS_REPORTED),
             **self.counters.as_dict(),
         }
 

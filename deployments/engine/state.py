@@ -12,6 +12,7 @@ import asyncio
 from collections import deque
 from typing import Any
 
+from controllers.routing import InflightPrefixes
 from deployments.config import AppConfig, ReplicaPorts, Role
 from deployments.engine.counters import EngineCounters
 from deployments.engine.index_writer import IndexWriter
@@ -76,6 +77,10 @@ class ReplicaState:
     #: the uncached tokens of the last prompts prefilled here (their mean and p99 go to the
     #: SLO autoscaler: ``record_autoscaling_stats``)
     recent_prompts: deque[int]
+    #: the prompt blocks of the prefill calls this replica holds (queued or running, and a
+    #: grace after, until its KV events reach the index): reported to every router
+    #: (``queued_blocks``) so that a new prefix's followers find it through any ingress
+    queued_prefixes: InflightPrefixes
     #: an armed stream loss, ``(prompt tokens, after tokens)`` (:mod:`.faults`; tests, benches)
     stream_loss: tuple[int, int] | None
     #: TWP's decode calibration at start (:meth:`.live_config.LiveConfig._calibrate_decode`)

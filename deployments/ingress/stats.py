@@ -168,6 +168,9 @@ async def report(core: IngressCore, reset: bool = False) -> dict[str, Any]:
                 # when the engine's load was read (wall clock): a report older than a
                 # few periods is stale (a wedged engine's, or one Serve has not polled)
                 | ({"report_ts": ts} if ts else {})
+                # how many prompt blocks of its prefill calls it reported (the routers count
+                # them as its prefix before its KV events reach the index)
+                | ({"queued_blocks": len(rep["queued_blocks"])} if "queued_blocks" in rep else {})
             )
         replicas[role] = rows
         totals[role] = {

@@ -129,6 +129,44 @@ def test_a_new_prefix_follows_the_first_request_before_the_index_has_it() -> Non
     assert other[0] != [first]
 
 
+def test_a_new_prefix_queued_at_a_replica_draws_its_followers_through_another_router() -> None:
+    """Two ingress replicas: two routers. The first router sends a new document to a replica;
+    the second router never saw that send, and the index has nothing yet. The replica's own
+    report of the prefill calls it holds (``queued_blocks``) draws the follower to it even
+    though it is the more loaded one, counted ``queued_prefix``; without the report the
+    follower goes to the idle replica."""
+    one = make(PrefillRouter, "prefill")
+    doc = tuple(range(100, 112))  # 12 blocks nobody has computed yet
+    ids = ("a", "b")
+    first = choose(one, replicas(one, *ids), pending(prefill_req(1600, {}, hashes=doc)))[0][0]
+    other = next(i for i in ids if i != first)
+    now = time.time()
+
+    def reports(two: Any, queued: tuple[int, ...]) -> list[Replica]:
+        cands = replicas(two, *ids)
+        for c in cands:
+            held = c.unique_id == first
+            c.routing_stats = {
+                "queued_uncached_tokens": 1600 if held else 0,
+                "ts": now,
+                **({"queued_blocks": list(queued)} if held else {}),
+            }
+        return cands
+
+    two = make(PrefillRouter, "prefill")  # another ingress's router, same app name aside
+    follower = choose(two, reports(two, doc), pending(prefill_req(1600, {}, hashes=doc)))
+    assert follower[0] == [first]
+    assert router_stats(two._deployment_id.app_name, "prefill")["fallbacks"] == {"queued_prefix": 1}
+    # the report lists other calls' blocks only: the follower goes by load
+    three = make(PrefillRouter, "prefill")
+    unrelated = tuple(range(900, 912))
+    lone = choose(three, reports(three, unrelated), pending(prefill_req(1600, {}, hashes=doc)))
+    assert lone[0] == [other]
+    assert (
+        "queued_prefix" not in router_stats(three._deployment_id.app_name, "prefill")["fallbacks"]
+    )
+
+
 def test_completion_retires_inflight_tokens() -> None:
     r = make(PrefillRouter, "prefill")
     cands = replicas(r, "a", "b")

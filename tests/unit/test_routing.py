@@ -203,3 +203,20 @@ def test_inflight_prefixes_count_until_shortly_after_completion() -> None:
     assert p.leading("a", [1, 2, 3]) == 2  # r2 still holds 1 and 2
     p.expire(now=100.0)  # r2 never completed: its TTL
     assert p.leading("a", [1, 2]) == 0 and len(p) == 0
+
+
+def test_a_replicas_held_blocks_are_listed_oldest_first_up_to_the_limit() -> None:
+    """What a prefill replica reports as its held prompt blocks (``queued_blocks``)."""
+    from controllers.routing import InflightPrefixes, leading_blocks
+
+    p = InflightPrefixes(grace_s=2.0, ttl_s=100.0)
+    p.add("r1", "a", [1, 2, 3], now=0.0)
+    p.add("r2", "a", [1, 2, 9], now=1.0)  # shares 1 and 2: listed once
+    assert p.blocks("a", 10) == [1, 2, 3, 9] and p.blocks("a", 2) == [1, 2]
+    assert p.blocks("b", 10) == [] and p.blocks("a", 0) == []
+    p.done("r1", now=5.0)
+    p.expire(now=8.0)  # past r1's grace: 3 goes, 1 and 2 stay with r2
+    assert p.blocks("a", 10) == [1, 2, 9]
+    held = set(p.blocks("a", 10))
+    assert leading_blocks(held, [1, 2, 9, 4]) == 3 and leading_blocks(held, [2, 9]) == 2
+    assert leading_blocks(held, [7, 1]) == 0 and leading_blocks((), [1]) == 0
