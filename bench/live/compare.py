@@ -537,14 +537,17 @@ def write_requests(path: Path, reqs: Sequence[LiveRequest], results: Sequence[An
             f.write(json.dumps(row) + "\n")
 
 
-def pdserve_stats(url: str) -> dict[str, Any]:
+def pdserve_stats(url: str, key: str | None = None) -> dict[str, Any]:
     """The ingress's whole ``/v1/pdserve/stats`` (its phase times, each replica's report,
     the autoscaler's decisions), kept beside a run for the cause analysis of issue 39; empty
-    when it does not answer."""
+    when it does not answer or refuses. ``key``: an operator key (a config with
+    ``ingress.auth: keys`` refuses the stats without one)."""
     import httpx
 
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     try:
-        return dict(httpx.get(f"{url}/v1/pdserve/stats", timeout=30).json())
+        r = httpx.get(f"{url}/v1/pdserve/stats", headers=headers, timeout=30)
+        return dict(r.json()) if r.status_code == 200 else {}
     except Exception:  # noqa: BLE001 - a figure missing, not a failed run
         return {}
 
@@ -578,9 +581,11 @@ def measure(
     idle_s: float = 15.0,
     progress: bool = True,
     key: str | None = None,
+    operator_key: str | None = None,
 ) -> Measured:
     """Bring one system up on a fresh Ray head, measure it, replay ``reqs``, bring it down.
-    ``key``: the API key of the readiness probe (a config with ``ingress.auth: keys``)."""
+    ``key``: the API key of the readiness probe, ``operator_key`` the one that reads pdserve's
+    stats (a config with ``ingress.auth: keys``)."""
     from tqdm import tqdm
 
     env = local_env()
@@ -623,7 +628,7 @@ def measure(
         summary["cached_token_source"] = "usage"
         stats = None
         if system.kind == "pdserve":
-            stats = pdserve_stats(url)  # one read: the replicas' figures and the kept file
+            stats = pdserve_stats(url, operator_key)  # one read: the figures and the file
             summary["replicas"] = engine_replicas(stats)
             (out / name).mkdir(parents=True, exist_ok=True)
             (out / name / "stats.json").write_text(json.dumps(stats, indent=2))

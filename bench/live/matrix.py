@@ -350,15 +350,23 @@ def with_keys(reqs: Sequence[LiveRequest], keys: Mapping[str, str] | None) -> li
     return out
 
 
-def tenant_config(config: Mapping[str, Any], key_hashes: Mapping[str, str]) -> dict[str, Any]:
+def tenant_config(
+    config: Mapping[str, Any],
+    key_hashes: Mapping[str, str],
+    operator_key_hashes: Sequence[str] = (),
+) -> dict[str, Any]:
     """A pdserve Serve config (as a dict) for ``multi_tenant``: keys required
     (``ingress.auth: keys``), ``key_hashes`` (``sha256:...`` -> tenant) as the tenants' keys,
-    and the prefill scheduler's fair share among tenants on (``fair_share: true``; off by
-    default) where the prefill scheduler takes a config (not vLLM's stock one)."""
+    ``operator_key_hashes`` as the operator's (the bench reads the stats with one), and the
+    prefill scheduler's fair share among tenants on (``fair_share: true``; off by default)
+    where the prefill scheduler takes a config (not vLLM's stock one)."""
     raw = json.loads(json.dumps(config))
     args = raw["applications"][0].setdefault("args", {})
     args.setdefault("ingress", {})["auth"] = "keys"
-    args.setdefault("tenants", {})["key_hashes"] = dict(key_hashes)
+    tenants = args.setdefault("tenants", {})
+    tenants["key_hashes"] = dict(key_hashes)
+    if operator_key_hashes:
+        tenants["operator_key_hashes"] = list(operator_key_hashes)
     prefill = args.setdefault("prefill", {})
     if prefill.get("scheduler_cls"):
         prefill["scheduler_config"] = {
@@ -894,7 +902,7 @@ def live_runner(model: str, progress: bool = True) -> RunSystem:
     """The per-system run: :func:`bench.live.compare.measure` (a fresh Ray head, deploy,
     replay, tear down). ``multi_tenant`` cells give pdserve two tenant keys (fresh each run,
     only their hashes in the config) and its fair share (:func:`tenant_config`); the peer
-    gets the same requests without keys."""
+    gets the same requests without keys; an operator key, fresh too, reads pdserve's stats."""
     from bench.live.compare import SYSTEMS, measure, pdserve_config, peer_config
     from cluster.tenants import hash_key, new_key
 
@@ -907,12 +915,15 @@ def live_runner(model: str, progress: bool = True) -> RunSystem:
         out: Path,
     ) -> dict[str, Any]:
         sys_ = SYSTEMS[system]
-        probe_key = None
+        probe_key = operator = None
         if sys_.kind == "pdserve":
             cfg = pdserve_config(config, sys_)
             if cell.workload == "multi_tenant":
                 keys = {t: new_key() for t in ("quiet", "flood")}
-                cfg = tenant_config(cfg, {hash_key(k): t for t, k in keys.items()})
+                operator = new_key()
+                cfg = tenant_config(
+                    cfg, {hash_key(k): t for t, k in keys.items()}, [hash_key(operator)]
+                )
                 reqs, probe_key = with_keys(reqs, keys), keys["quiet"]
         else:
             cfg = peer_config(config, sys_)
@@ -920,7 +931,7 @@ def live_runner(model: str, progress: bool = True) -> RunSystem:
         out.mkdir(parents=True, exist_ok=True)
         m = measure(
             system, sys_, cfg, reqs, out, model=model, concurrency=concurrency,
-            progress=progress, key=probe_key,
+            progress=progress, key=probe_key, operator_key=operator,
         )  # fmt: skip
         quiet = [
             res.ttft_s

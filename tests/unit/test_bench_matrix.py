@@ -321,8 +321,12 @@ def test_multi_tenant_config_requires_keys_and_turns_the_fair_share_on() -> None
     assert args["ingress"]["auth"] == "keys"
     assert args["tenants"]["key_hashes"] == {"sha256:ab": "quiet"}
     assert args["prefill"]["scheduler_config"] == {"profile": "auto", "fair_share": True}
+    assert "operator_key_hashes" not in args["tenants"]
     stock = mx.tenant_config(pdserve_config(base, SYSTEMS["pdserve-fcfs-rr"]), {})
     assert "scheduler_config" not in stock["applications"][0]["args"]["prefill"]
+    # the operator's key, with which the bench reads the stats of an app that needs keys
+    op = mx.tenant_config(pdserve_config(base, SYSTEMS["pdserve"]), {}, ["sha256:cd"])
+    assert op["applications"][0]["args"]["tenants"]["operator_key_hashes"] == ["sha256:cd"]
 
 
 def test_cpu_roles_of_both_systems_processes() -> None:

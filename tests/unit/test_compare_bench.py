@@ -310,3 +310,35 @@ def test_write_requests_keeps_one_line_per_request_in_order(tmp_path: Path) -> N
     assert [r["label"] for r in rows] == ["doc:3", ""]
     assert rows[0]["cached_tokens"] == 1 and rows[0]["ttft_s"] == 0.2 and rows[0]["sent_s"] == 0.01
     assert rows[1]["ok"] is False and len(rows[1]["error"]) == 200
+
+
+def test_the_stats_are_read_with_the_operators_key_and_a_refusal_keeps_no_error_body() -> None:
+    """An app that needs keys refuses ``/v1/pdserve/stats`` without the operator's; the kept
+    stats were then its 401 body (the multi_tenant cells' ``stats.json``). With the key they
+    are read; a refusal gives no stats rather than the error as if it were stats."""
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from bench.live.compare import pdserve_stats
+
+    class Stats(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the http.server hook's name
+            ok = self.headers.get("Authorization") == "Bearer sk-op"
+            body = json.dumps({"ingress": {"requests": 3}} if ok else {"error": "no key"})
+            self.send_response(200 if ok else 401)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(body.encode())
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Stats)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        assert pdserve_stats(url, "sk-op") == {"ingress": {"requests": 3}}
+        assert pdserve_stats(url) == {} and pdserve_stats(url, "sk-other") == {}
+    finally:
+        server.shutdown()
