@@ -259,57 +259,6 @@ def test_the_hit_is_found_whichever_ingress_takes_the_request(cluster: dict[str,
     assert len(ingresses) == 2  # Serve's proxy spread them over both ingress replicas
 
 
-def test_a_new_prefix_waiting_in_a_prefill_queue_draws_its_followers_through_either_ingress(
-    cluster: dict[str, Any],
-) -> None:
-    """Both prefill engines are held (10 s, short of the wedge timeout), so the first request
-    of a new document waits in a queue and the index does not have it. Its followers, sent
-    through both ingress replicas, all go to its replica: the replica reports the blocks of
-    the calls it holds (``queued_blocks``), and the router of an ingress that did not send the
-    first counts them (``queued_prefix``). Before, such a follower found the document nowhere
-    and went by load (the matrix's cache_pressure cell lost hits to it). One block, so that
-    the first's own tokens stay under this app's hot-spot slack (256)."""
-    if cluster["backend"] != "redis":
-        pytest.skip("one ingress replica: its router saw every send itself")
-    from concurrent.futures import ThreadPoolExecutor
-
-    from ray import serve
-
-    wait_until(lambda: len(followed(cluster)) == 2, "two prefill replicas", timeout_s=120)
-    handle = serve.get_deployment_handle("prefill", app_name=APP)
-    for rid in followed(cluster):  # Serve's handle picks the replica: call until it answers
-        wait_until(lambda rid=rid: handle.inject_wedge.remote(10, rid).result() == rid, rid)
-    doc = prompt(51, 1, tail=2)
-
-    def holders() -> set[str]:
-        """The replicas every ingress sees reporting the document's block."""
-        seen = [
-            {r["id"] for r in s["replicas"]["prefill"] if r.get("queued_blocks", 0) >= 1}
-            for s in every_ingress(cluster).values()
-        ]
-        return set.intersection(*seen) if seen else set()
-
-    with ThreadPoolExecutor(12) as pool:
-        first = pool.submit(complete, cluster, doc)
-        wait_until(lambda: len(holders()) == 1, "the first's call reported to every ingress", 8)
-        follows = [pool.submit(complete, cluster, doc[:BLOCK] + [9, i]) for i in range(10)]
-        head = first.result()
-        outs = [f.result() for f in follows]
-    holder = head["pdserve"]["prefill_replica"]
-    assert holders() in (set(), {holder})  # the grace after the calls may still show it
-    assert [o["pdserve"]["prefill_replica"] for o in outs] == [holder] * 10
-    crossed = [
-        o for o in outs if o["pdserve"]["ingress_replica"] != head["pdserve"]["ingress_replica"]
-    ]
-    if not crossed:  # 1 in 1,024 runs: Serve's proxy sent every follower the first's way
-        pytest.skip("no follower went through the ingress that did not send the first")
-    reported = sum(
-        int(s["router"]["fallbacks"].get("queued_prefix", 0))
-        for s in every_ingress(cluster).values()
-    )
-    assert reported >= 1
-
-
 def test_a_prefill_replica_that_goes_away_leaves_the_index_at_once(
     cluster: dict[str, Any],
 ) -> None:
