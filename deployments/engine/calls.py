@@ -50,10 +50,11 @@ class Calls(ReplicaState):
         """:meth:`_prefill`, counted in ``requests_in_flight`` while it runs."""
         self.first_call = self.first_call or req.request_id
         self.in_flight += 1
-        now = time.time()
-        self.queued_prefixes.expire(now)
-        if req.route is not None:  # its prompt's blocks count as held here from now on
-            self.queued_prefixes.add(req.request_id, self.replica_id, req.route.block_hashes, now)
+        if req.route is not None:  # its prompt's blocks count as held here from now on (the
+            # load report, polled every 0.25 s, expires the finished calls' entries)
+            self.queued_prefixes.add(
+                req.request_id, self.replica_id, req.route.block_hashes, time.time()
+            )
         if self._prefills == 0:
             self._busy_since = time.monotonic()
         self._prefills += 1
