@@ -168,6 +168,11 @@ SERIES: dict[str, tuple[str, str, tuple[str, ...], list[float] | None]] = {
         "counter", "Requests refused with 429, by tenant and the limit (requests, tokens).",
         ("tenant", "limit"), None,
     ),
+    "pdserve_overload_spared": (
+        "counter", "Requests admitted past an overload bound because their tenant held less "
+        "than an equal share of the prompts in flight (the flooding tenants got the 503s), "
+        "by tenant.", ("tenant",), None,
+    ),
     "pdserve_auth_refused": (
         "counter", "Requests refused before their body was read, by tenant ('-' when no key "
         "matched) and reason (invalid_key, address_throttled, wrong_kind_of_key, "

@@ -116,6 +116,16 @@ class IngressConfig(_Strict):
         "controllers/overload.py). 0: off. Unlike the count bounds it sees the decode side "
         "and does not depend on the model's speed.",
     )
+    overload_spare_factor: float = Field(
+        default=2.0,
+        ge=1,
+        le=100,
+        description="Past an overload bound, a request whose tenant holds less than an equal "
+        "share of the prompts in flight at the prefill is still admitted, up to this many "
+        "times the bound; the tenants at or above their share get the 503 (a flood is refused, "
+        "not the quiet tenant beside it; controllers/overload.py). 1: everyone is refused at "
+        "the bound.",
+    )
     overload_retry_after_s: int = Field(
         default=1, ge=1, le=3600, description="Retry-After (s) of an overload 503."
     )

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 from fastapi import Request
 
 from cluster.tenants import OPERATOR, Charge, KeyStore, RateLimiter, hash_key
-from controllers.overload import CompletionRate, expected_wait_s, refuse_for
+from controllers.overload import CompletionRate, expected_wait_s, past_ceiling, refuse_for, spared
 from controllers.tenants import Bucket
 from deployments.config import AppConfig
 from deployments.ingress.auth import ANONYMOUS, AuthFailures, Gate, Principal, principal_of
@@ -70,6 +70,11 @@ class AdmissionPhase(IngressState):
         self._inflight_prefill = 0
         self._inflight_uncached = 0
         self.inflight_peak = 0
+        #: the same prompts per tenant: past a bound, a tenant below an equal share of them is
+        #: spared the refusal (controllers.overload.spared)
+        self._inflight_by_tenant: dict[str, int] = {}
+        #: requests admitted past a bound because their tenant was below its share
+        self.overload_spared = 0
         #: the engines' completions per second (from their reports), for the wait bound
         self._completions = CompletionRate(window_s=20.0)
         #: the engine replicas the rate was measured over
@@ -80,10 +85,10 @@ class AdmissionPhase(IngressState):
         self.wait_refused = 0
         self.overload_refused = 0
 
-    def check_queue_room(self) -> None:
+    def check_queue_room(self, tenant: str) -> None:
         """Before any tokenizing: a 503 while the prefill queue is already at its request
-        bound, so that a refusal under overload costs nothing."""
-        self._overloaded(0, 0)
+        bound (and ``tenant`` is not spared), so that a refusal under overload costs nothing."""
+        self._overloaded(0, 0, tenant)
 
     async def principal(self, request: Request) -> Principal:
         """Who sent ``request``: what :class:`~deployments.ingress.auth.AuthGuard` decided from its
@@ -171,24 +176,34 @@ class AdmissionPhase(IngressState):
         the prefill queue's bounds too and takes a slot (:meth:`admit_prefill`), which in
         colocated mode lasts its whole stream."""
         if where == "decode_local":
-            self.check_wait()
+            if self.check_wait(parts[0][0].tenant):
+                self._spared(parts[0][0].tenant)
         else:
             self.admit_prefill(parts)
+
+    def _spared(self, tenant: str) -> None:
+        self.overload_spared += 1
+        self.metrics.inc("pdserve_overload_spared", tenant=tenant)
 
     def admit_prefill(self, parts: list[tuple[Prepared, RouteHint]]) -> None:
         """Overload control: refuse with 503 and ``Retry-After`` when these prompts would take
         the prefill queue past its bounds (``ingress.max_queued_*_per_replica`` times the
         prefill replicas). The queue is the larger of this ingress's own requests in flight
         at the prefill and what the replicas last reported, so a refusal costs nothing and
-        nothing admitted is slowed. Admitted prompts count as in flight until their prefill
-        returns (:meth:`run_prefill`); no ``await`` between check and count."""
-        self.check_wait()
+        nothing admitted is slowed. Past a bound, a tenant below an equal share of the prompts
+        in flight is spared (:func:`controllers.overload.spared`). Admitted prompts count as in
+        flight until their prefill returns (:meth:`run_prefill`); no ``await`` between check
+        and count."""
+        tenant = parts[0][0].tenant
+        spared_wait = self.check_wait(tenant)
         add_req = len(parts)
         tokens = [uncached_tokens(prep, hint) for prep, hint in parts]
         add_tok = sum(tokens)
-        self._overloaded(add_req, add_tok)
+        if self._overloaded(add_req, add_tok, tenant) or spared_wait:
+            self._spared(tenant)
         for (prep, _), n in zip(parts, tokens, strict=True):
             prep.run.queued_tokens = n
+            self._inflight_by_tenant[prep.tenant] = self._inflight_by_tenant.get(prep.tenant, 0) + 1
         self._inflight_prefill += add_req
         self._inflight_uncached += add_tok
         self.inflight_peak = max(self.inflight_peak, self._inflight_prefill)
@@ -199,17 +214,24 @@ class AdmissionPhase(IngressState):
             self._inflight_prefill -= 1
             self._inflight_uncached -= prep.run.queued_tokens
             prep.run.queued_tokens = None
+            left = self._inflight_by_tenant.get(prep.tenant, 0) - 1
+            if left > 0:
+                self._inflight_by_tenant[prep.tenant] = left
+            else:
+                self._inflight_by_tenant.pop(prep.tenant, None)
 
-    def check_wait(self) -> None:
+    def check_wait(self, tenant: str) -> bool:
         """Overload control in seconds (:mod:`controllers.overload`): refuse with 503 and
         ``Retry-After`` when the requests waiting in the engines (queued, not running, from
         the replicas' reports) over the engines' completion rate pass
         ``ingress.max_expected_wait_s``: the time the queue ahead of a new request takes to
         drain. Running requests do not count: below saturation the completion rate is the
-        load, not the capacity, and they made a lone client's request read as a long wait."""
+        load, not the capacity, and they made a lone client's request read as a long wait.
+        ``tenant`` below its share is spared up to ``ingress.overload_spare_factor`` times
+        the bound: then True (admitted past the bound)."""
         bound = self.cfg.ingress.max_expected_wait_s
         if not bound:
-            return
+            return False
         decode = self.directories["decode"].snapshot()
         rows = {**self.directories["prefill"].snapshot(), **decode}  # an engine counted once
         done = decode or rows  # a request finishes on its decode engine
@@ -227,8 +249,11 @@ class AdmissionPhase(IngressState):
         self.expected_wait_s = wait
         retry = refuse_for(wait, bound)
         if retry is None:
-            return
+            return False
         assert wait is not None
+        factor = self.cfg.ingress.overload_spare_factor
+        if not past_ceiling(wait, bound, factor) and spared(tenant, self._inflight_by_tenant):
+            return True
         self.wait_refused += 1
         what = (
             f"{waiting} requests waiting in the engines, about {wait:.0f} s to drain "
@@ -247,9 +272,10 @@ class AdmissionPhase(IngressState):
             code="overloaded",
         )
 
-    def _overloaded(self, add_req: int, add_tok: int) -> None:
+    def _overloaded(self, add_req: int, add_tok: int, tenant: str) -> bool:
         """Raise the overload 503 when ``add_req`` more prompts (``add_tok`` uncached tokens)
-        would pass a bound (``add_req=0``: when the request bound is already reached)."""
+        would pass a bound (``add_req=0``: when the request bound is already reached), unless
+        ``tenant`` is below its share and the bound's ceiling is not passed: then True."""
         ing = self.cfg.ingress
         reports = self.directories["prefill"].snapshot()
         n = max(1, len(reports))
@@ -259,13 +285,19 @@ class AdmissionPhase(IngressState):
         tokens = max(self._inflight_uncached, reported_tok)
         cap_req = ing.max_queued_requests_per_replica * n
         cap_tok = ing.max_queued_uncached_tokens_per_replica * n
-        what = None
+        what, past = None, False
+        factor = ing.overload_spare_factor
         if queued + max(1, add_req) > cap_req:
             what = f"{queued} requests queued at {n} prefill replica(s) (bound {cap_req})"
+            past = past_ceiling(queued + max(1, add_req), cap_req, factor)
         elif add_tok and tokens > 0 and tokens + add_tok > cap_tok:
             what = f"{tokens} uncached prompt tokens queued at {n} prefill replica(s) (bound {cap_tok})"
-        if what is not None:
-            raise self._overload_error(what, ing.overload_retry_after_s)
+            past = past_ceiling(tokens + add_tok, cap_tok, factor)
+        if what is None:
+            return False
+        if not past and spared(tenant, self._inflight_by_tenant):
+            return True
+        raise self._overload_error(what, ing.overload_retry_after_s)
 
 
 def uncached_tokens(prep: Prepared, hint: RouteHint) -> int:

@@ -186,7 +186,7 @@ class PreparePhase(AdmissionPhase):
         responses: ResponsesRequest | None = None,
     ) -> Prepared:
         if charge:
-            self.check_queue_room()
+            self.check_queue_room(tenant)
         self._check_model(body.model)
         trust = self.cfg.ingress.trust_request_chat_template
         refuse_unsupported(body, trust)  # before tokenizing (a batch of prompts, say)

@@ -190,6 +190,7 @@ async def report(core: IngressCore, reset: bool = False) -> dict[str, Any]:
             "peak": core.inflight_peak,
             "overload_refused": core.overload_refused,
             "wait_refused": core.wait_refused,
+            "overload_spared": core.overload_spared,
             "expected_wait_s": core.expected_wait_s,
         },
         "deadline_exceeded": core.deadline_exceeded,

@@ -777,6 +777,77 @@ def test_over_the_queue_bound_a_503_at_once_and_the_admitted_all_complete(bounde
     assert s["peak"] == 3 and s["overload_refused"] == 4
 
 
+def test_over_the_queue_bound_the_flooding_tenant_is_refused_and_the_quiet_one_admitted(
+    tiny_model_dir: Path,
+) -> None:
+    """The prefill engine is stuck with a flooding tenant's 3 requests (the bound): its next
+    is refused; a quiet tenant's request, its tenant below an equal share of what is in
+    flight, is admitted past the bound (counted as spared) and completes when the engine
+    moves; the ceiling (2 x 3) still holds: with 6 in flight the quiet tenant is refused
+    too. With ``overload_spare_factor: 1`` the same quiet request is refused at the bound."""
+    import asyncio
+
+    import httpx
+
+    def wire(factor: float) -> Any:
+        return _wire(
+            tiny_model_dir,
+            {
+                "ingress": {
+                    "api_keys": {"kf": "flood", "kq": "quiet", "kr": "third"},
+                    "max_queued_requests_per_replica": 3,
+                    "overload_spare_factor": factor,
+                }
+            },
+            app_name=f"spare-unit-{factor:g}",
+        )
+
+    async def run(client: Any, pre: Any) -> dict[str, Any]:
+        pre.gate = asyncio.Event()
+        transport = httpx.ASGITransport(app=client.app)
+        out: dict[str, Any] = {}
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+
+            async def one(key: str, i: int) -> httpx.Response:
+                body = {"model": "test", "prompt": f"request {key} {i}", "max_tokens": 2}
+                return await c.post("/v1/completions", json=body, headers=auth(key))
+
+            held = [asyncio.create_task(one("kf", i)) for i in range(3)]
+            while len(pre.seen) < 3:
+                await asyncio.sleep(0.01)
+            out["flood"] = (await one("kf", 9)).status_code
+            quiet = asyncio.create_task(one("kq", 0))
+            for _ in range(200):  # the quiet request reaches the stuck engine, or is refused
+                if quiet.done() or len(pre.seen) > 3:
+                    break
+                await asyncio.sleep(0.01)
+            if not quiet.done():
+                held.append(quiet)
+                # 4 in flight: flood 3, quiet 1; a third tenant's two fit under 6, then not
+                more = [asyncio.create_task(one("kr", i)) for i in range(2)]
+                while len(pre.seen) < 6:
+                    await asyncio.sleep(0.01)
+                held += more
+                out["past_ceiling"] = (await one("kq", 1)).status_code
+            pre.gate.set()
+            out["held"] = [(await t).status_code for t in held]
+            if quiet.done() and quiet not in held:
+                out["quiet"] = (await quiet).status_code
+            pre.gate = None
+        return out
+
+    client, pre, _ = wire(2.0)
+    out = asyncio.run(run(client, pre))
+    assert out == {"flood": 503, "past_ceiling": 503, "held": [200] * 6}, out
+    q = client.get("/v1/pdserve/stats", headers=OP).json()["ingress"]["prefill_queue"]
+    assert q["overload_spared"] == 3 and q["overload_refused"] == 2 and q["in_flight"] == 0
+    assert q["peak"] == 6
+
+    client, pre, _ = wire(1.0)
+    out = asyncio.run(run(client, pre))
+    assert out == {"flood": 503, "quiet": 503, "held": [200] * 3}, out
+
+
 def test_routing_user_config_applies_live_and_bad_values_keep_the_old(tiny_model_dir: Path) -> None:
     """The ingress's ``user_config``: routing parameters reach the routers of its app (the
     registry they read before each decision); a bad value, or one that needs a redeploy,
@@ -978,15 +1049,15 @@ def test_the_wait_bound_refuses_once_the_engines_hold_more_than_it_in_seconds(
 
     async def run() -> None:
         reports(40, 0)
-        core.check_wait()  # the first replica set: the rate is measured from here
+        core.check_wait("t")  # the first replica set: the rate is measured from here
         core._completions = type(core._completions)(window_s=20.0)
         core._completions.add(time.monotonic() - 10, 0)  # 20 done in the last 10 s: 2/s
         reports(40, 20, running=30)  # 60 running: being served, not waiting
-        core.check_wait()
+        core.check_wait("t")
         assert core.expected_wait_s == pytest.approx(20.0, rel=0.05)
         reports(79, 20)
         with pytest.raises(RequestError) as e:
-            core.check_wait()
+            core.check_wait("t")
         assert e.value.status == 503 and e.value.headers == {"Retry-After": "10"}
         assert "79 requests waiting in the engines" in str(e.value) and core.wait_refused == 1
         # a replica joins (capacity changed): the old rate is dropped, nothing is refused
@@ -994,7 +1065,7 @@ def test_the_wait_bound_refuses_once_the_engines_hold_more_than_it_in_seconds(
         directory(app, "prefill").update(
             {"p1": {"waiting": 39, "running": 0}, "p2": {"waiting": 0, "running": 0}}
         )
-        core.check_wait()
+        core.check_wait("t")
         assert core.expected_wait_s is None and core.wait_refused == 1
 
     asyncio.run(run())

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from controllers.overload import CompletionRate, expected_wait_s, refuse_for
+from controllers.overload import (
+    CompletionRate,
+    expected_wait_s,
+    past_ceiling,
+    refuse_for,
+    spared,
+)
 
 
 def test_completion_rate_over_a_sliding_window() -> None:
@@ -45,3 +51,21 @@ def test_little_law_wait_and_the_refusal() -> None:
     assert refuse_for(45.0, 30.0) == 15  # about the time the excess takes to drain
     assert refuse_for(None, 30.0) is None  # rate unknown: this bound does not refuse
     assert refuse_for(1e6, 0) is None  # 0: off
+
+
+def test_past_a_bound_the_tenant_below_its_share_is_spared() -> None:
+    """Who a bound refuses (issue 39's multi_tenant cell: the wait bound refused the quiet
+    tenant's request beside a flood): a tenant below an equal share of the prompts in flight
+    is spared, the tenants at or above it are not, and nobody is spared past the ceiling."""
+    flood = {"flood": 30, "quiet": 1}
+    assert spared("quiet", flood) and not spared("flood", flood)  # 1 x 2 < 31; 30 x 2 >= 31
+    assert spared("new", flood)  # nothing in flight yet: 0 x 3 < 31
+    assert not spared("a", {"a": 5, "b": 5}) and not spared("b", {"a": 5, "b": 5})
+    assert not spared("alone", {"alone": 9}) and not spared("alone", {})  # refused as before
+    # three tenants: the mean is 6; b (4) and c (2) are below it, a (12) is not
+    three = {"a": 12, "b": 4, "c": 2}
+    assert [spared(t, three) for t in "abc"] == [False, True, True]
+    assert not spared("x", {"x": 0, "y": 0})  # nothing in flight: nobody is below a share
+    # the ceiling: spared up to the factor times the bound, never past it; 1 spares nobody
+    assert not past_ceiling(60.0, 30.0, 2.0) and past_ceiling(60.5, 30.0, 2.0)
+    assert past_ceiling(31.0, 30.0, 1.0)
