@@ -61,7 +61,7 @@ import yaml
 
 from bench.live.replay import LiveResult, replay, summarize, write_report
 from bench.workloads.replay import LiveRequest
-from deployments.local import local_env, venv_bin, with_allocator
+from deployments.local import ensure_ray_token, local_env, venv_bin, with_allocator
 
 #: The like-for-like reference: the denominator of every ratio.
 REFERENCE = "peer-connector"
@@ -436,7 +436,11 @@ RAY_DEFAULT_PORTS = frozenset({6379, 8265, 10001, 52365, 62365, 8076, 8077, 8078
 
 def start_ray(env: Mapping[str, str], attempts: int = 3) -> int:
     """A fresh local Ray head (16 logical CPUs, no dashboard) exporting metrics on a free
-    port; the port. A port taken between the pick and the start is retried with another."""
+    port; the port. A port taken between the pick and the start is retried with another.
+    Under token authentication the token is made first where missing (a fresh machine has
+    none, and ``ray start`` refuses to start without one), as ``pdserve up`` does."""
+    if env.get("RAY_AUTH_MODE", "").lower() == "token":
+        ensure_ray_token(dict(env))
     err = ""
     for _ in range(attempts):
         port = _free_port()

@@ -342,3 +342,34 @@ def test_the_stats_are_read_with_the_operators_key_and_a_refusal_keeps_no_error_
         assert pdserve_stats(url) == {} and pdserve_stats(url, "sk-other") == {}
     finally:
         server.shutdown()
+
+
+def test_the_benchs_ray_head_gets_a_token_on_a_fresh_machine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``start_ray`` under token authentication makes the cluster token where Ray reads it
+    when it is missing (on a fresh machine ``ray start`` refused to start without one, and
+    every run of the matrix failed), and keeps an existing token as it is."""
+    import stat
+    import subprocess
+
+    import bench.live.compare as compare
+
+    started: list[dict[str, str]] = []
+
+    def fake_run(cmd: list[str], env: dict[str, str], **_: Any) -> Any:
+        started.append(env)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(compare.subprocess, "run", fake_run)
+    token = tmp_path / "ray" / "auth_token"
+    env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token), "PATH": "/usr/bin"}
+    compare.start_ray(env)
+    assert token.exists() and len(token.read_text().strip()) >= 32
+    assert stat.S_IMODE(token.stat().st_mode) == 0o600 and len(started) == 1
+    first = token.read_text()
+    compare.start_ray(env)
+    assert token.read_text() == first  # an existing token is kept
+    other = tmp_path / "none" / "auth_token"
+    compare.start_ray({"RAY_AUTH_MODE": "disabled", "RAY_AUTH_TOKEN_PATH": str(other)})
+    assert not other.exists()  # no token without token authentication
