@@ -29,18 +29,20 @@ got 503 at one stream on the ``bench`` model (``pdserve bench compare --concurre
 Requests wait in an engine only when it is saturated, which is when ``lambda`` measures its
 capacity.
 
-**Who is refused.** Past a bound, a request is refused only when its tenant holds at least an
-equal share of the prompts this ingress has in flight at the prefill (:func:`spared`); a
-tenant below it is admitted while the load stays under ``spare_factor`` times the bound, and
-refused above that like everyone. Measured live (issue 39's ``multi_tenant`` cell,
+**Who is refused.** Past a bound, a request is refused when its tenant, with the request's
+prompts, would hold at least an equal share of the prompts this ingress has in flight at the
+prefill (:func:`spared`); a tenant that would stay below it is admitted while the load stays
+under ``spare_factor`` times the bound (``ingress.overload_spare_factor``), and refused above
+that like everyone. Seen live (issue 39's ``multi_tenant`` cell,
 ``docs/design/matrix_39_causes.md``): a flooding tenant took the engines past the 30 s bound,
 and the bound then refused a quiet tenant's request, whose tenant held one prompt against the
 flood's dozens: the refusal fell on the tenant that was not the cause. With the rule the
 flooding tenant's own requests are refused (it is always at or above the mean, so a lone
 tenant, or tenants flooding alike, are refused as before), and a quiet tenant's few requests
-go on to the prefill, where the tenants' fair share (``+fair_share``) serves them ahead of
-the flood's backlog. The ceiling keeps many light tenants together from taking the queue
-past twice its bound. Shares are counted at this ingress (each ingress replica sees its own
+go on to the prefill, where the tenants' fair share (``fair_share: true``) serves them ahead
+of the flood's backlog. The ceiling keeps many light tenants together from taking the queue
+past twice its bound, and counting the request's own prompts keeps one batch from carrying a
+tenant past its share. Shares are counted at this ingress (each ingress replica sees its own
 part of every tenant's traffic); choices, where the papers are silent: equal weights, and a
 tenant is the request's tenant (the ingress's, not the cache group).
 """
@@ -98,15 +100,18 @@ def refuse_for(wait_s: float | None, bound_s: float) -> int | None:
     return max(1, math.ceil(wait_s - bound_s))
 
 
-def spared(tenant: str, inflight: Mapping[str, int]) -> bool:
-    """Whether ``tenant``'s request is spared a refusal at a bound: its tenant holds less than
-    an equal share of the prompts in flight (``inflight``: per tenant; the tenants counted are
-    those with a prompt in flight, and ``tenant`` itself). Worked examples: a flood of 30 and a
-    quiet tenant's 1, the quiet one is spared (1 x 2 < 31) and the flood is not (30 x 2 >=
-    31); two tenants at 5 each, neither; a tenant alone, never."""
+def spared(tenant: str, inflight: Mapping[str, int], adding: int = 1) -> bool:
+    """Whether ``tenant``'s request of ``adding`` prompts is spared a refusal at a bound: with
+    them its tenant would still hold less than an equal share of the prompts in flight
+    (``inflight``: per tenant; the tenants counted are those with a prompt in flight, and
+    ``tenant`` itself). Counting the request's own prompts keeps one batch from carrying a
+    tenant past its share. Worked examples, one prompt each: a flood of 30 and a quiet
+    tenant's 1, the quiet one is spared ((1 + 1) x 2 < 32) and the flood is not (31 x 2 >=
+    32); two tenants at 5 each, neither (6 x 2 >= 11); a tenant alone, never (its share is
+    all)."""
     active = {t for t, n in inflight.items() if n > 0} | {tenant}
-    total = sum(max(0, n) for n in inflight.values())
-    return max(0, inflight.get(tenant, 0)) * len(active) < total
+    total = sum(max(0, n) for n in inflight.values()) + adding
+    return (max(0, inflight.get(tenant, 0)) + adding) * len(active) < total
 
 
 def past_ceiling(load: float, bound: float, spare_factor: float) -> bool:

@@ -176,7 +176,7 @@ class AdmissionPhase(IngressState):
         the prefill queue's bounds too and takes a slot (:meth:`admit_prefill`), which in
         colocated mode lasts its whole stream."""
         if where == "decode_local":
-            if self.check_wait(parts[0][0].tenant):
+            if self.check_wait(parts[0][0].tenant, len(parts)):
                 self._spared(parts[0][0].tenant)
         else:
             self.admit_prefill(parts)
@@ -195,7 +195,7 @@ class AdmissionPhase(IngressState):
         flight until their prefill returns (:meth:`run_prefill`); no ``await`` between check
         and count."""
         tenant = parts[0][0].tenant
-        spared_wait = self.check_wait(tenant)
+        spared_wait = self.check_wait(tenant, len(parts))
         add_req = len(parts)
         tokens = [uncached_tokens(prep, hint) for prep, hint in parts]
         add_tok = sum(tokens)
@@ -220,15 +220,15 @@ class AdmissionPhase(IngressState):
             else:
                 self._inflight_by_tenant.pop(prep.tenant, None)
 
-    def check_wait(self, tenant: str) -> bool:
+    def check_wait(self, tenant: str, adding: int = 1) -> bool:
         """Overload control in seconds (:mod:`controllers.overload`): refuse with 503 and
         ``Retry-After`` when the requests waiting in the engines (queued, not running, from
         the replicas' reports) over the engines' completion rate pass
         ``ingress.max_expected_wait_s``: the time the queue ahead of a new request takes to
         drain. Running requests do not count: below saturation the completion rate is the
         load, not the capacity, and they made a lone client's request read as a long wait.
-        ``tenant`` below its share is spared up to ``ingress.overload_spare_factor`` times
-        the bound: then True (admitted past the bound)."""
+        ``tenant`` below its share with ``adding`` more prompts is spared up to
+        ``ingress.overload_spare_factor`` times the bound: then True (admitted past it)."""
         bound = self.cfg.ingress.max_expected_wait_s
         if not bound:
             return False
@@ -252,7 +252,9 @@ class AdmissionPhase(IngressState):
             return False
         assert wait is not None
         factor = self.cfg.ingress.overload_spare_factor
-        if not past_ceiling(wait, bound, factor) and spared(tenant, self._inflight_by_tenant):
+        if not past_ceiling(wait, bound, factor) and spared(
+            tenant, self._inflight_by_tenant, adding
+        ):
             return True
         self.wait_refused += 1
         what = (
@@ -285,19 +287,21 @@ class AdmissionPhase(IngressState):
         tokens = max(self._inflight_uncached, reported_tok)
         cap_req = ing.max_queued_requests_per_replica * n
         cap_tok = ing.max_queued_uncached_tokens_per_replica * n
-        what, past = None, False
+        passed = []  # (what, past the ceiling) of each bound passed
         factor = ing.overload_spare_factor
         if queued + max(1, add_req) > cap_req:
             what = f"{queued} requests queued at {n} prefill replica(s) (bound {cap_req})"
-            past = past_ceiling(queued + max(1, add_req), cap_req, factor)
-        elif add_tok and tokens > 0 and tokens + add_tok > cap_tok:
+            passed.append((what, past_ceiling(queued + max(1, add_req), cap_req, factor)))
+        if add_tok and tokens > 0 and tokens + add_tok > cap_tok:
             what = f"{tokens} uncached prompt tokens queued at {n} prefill replica(s) (bound {cap_tok})"
-            past = past_ceiling(tokens + add_tok, cap_tok, factor)
-        if what is None:
+            passed.append((what, past_ceiling(tokens + add_tok, cap_tok, factor)))
+        if not passed:
             return False
-        if not past and spared(tenant, self._inflight_by_tenant):
+        if not any(past for _, past in passed) and spared(
+            tenant, self._inflight_by_tenant, max(1, add_req)
+        ):
             return True
-        raise self._overload_error(what, ing.overload_retry_after_s)
+        raise self._overload_error(passed[0][0], ing.overload_retry_after_s)
 
 
 def uncached_tokens(prep: Prepared, hint: RouteHint) -> int:

@@ -782,19 +782,23 @@ def test_over_the_queue_bound_the_flooding_tenant_is_refused_and_the_quiet_one_a
 ) -> None:
     """The prefill engine is stuck with a flooding tenant's 3 requests (the bound): its next
     is refused; a quiet tenant's request, its tenant below an equal share of what is in
-    flight, is admitted past the bound (counted as spared) and completes when the engine
-    moves; the ceiling (2 x 3) still holds: with 6 in flight the quiet tenant is refused
-    too. With ``overload_spare_factor: 1`` the same quiet request is refused at the bound."""
+    flight, is admitted past the bound (counted as spared), as is a third tenant's first,
+    but not its second (2 of 6 is the mean: not below it); a fourth tenant's fills the
+    ceiling (2 x 3) and a fifth's is refused there, share or not. Released, every admitted
+    request completes. With ``overload_spare_factor: 1`` the quiet request is refused at the
+    bound."""
     import asyncio
 
     import httpx
+
+    keys = {"kf": "flood", "kq": "quiet", "kr": "third", "ks": "fourth", "kt": "fifth"}
 
     def wire(factor: float) -> Any:
         return _wire(
             tiny_model_dir,
             {
                 "ingress": {
-                    "api_keys": {"kf": "flood", "kq": "quiet", "kr": "third"},
+                    "api_keys": keys,
                     "max_queued_requests_per_replica": 3,
                     "overload_spare_factor": factor,
                 }
@@ -802,49 +806,50 @@ def test_over_the_queue_bound_the_flooding_tenant_is_refused_and_the_quiet_one_a
             app_name=f"spare-unit-{factor:g}",
         )
 
-    async def run(client: Any, pre: Any) -> dict[str, Any]:
+    async def run(client: Any, pre: Any, spare: bool) -> dict[str, Any]:
         pre.gate = asyncio.Event()
         transport = httpx.ASGITransport(app=client.app)
         out: dict[str, Any] = {}
+        held: list[asyncio.Task[httpx.Response]] = []
         async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
 
             async def one(key: str, i: int) -> httpx.Response:
                 body = {"model": "test", "prompt": f"request {key} {i}", "max_tokens": 2}
                 return await c.post("/v1/completions", json=body, headers=auth(key))
 
-            held = [asyncio.create_task(one("kf", i)) for i in range(3)]
-            while len(pre.seen) < 3:
-                await asyncio.sleep(0.01)
-            out["flood"] = (await one("kf", 9)).status_code
-            quiet = asyncio.create_task(one("kq", 0))
-            for _ in range(200):  # the quiet request reaches the stuck engine, or is refused
-                if quiet.done() or len(pre.seen) > 3:
-                    break
-                await asyncio.sleep(0.01)
-            if not quiet.done():
-                held.append(quiet)
-                # 4 in flight: flood 3, quiet 1; a third tenant's two fit under 6, then not
-                more = [asyncio.create_task(one("kr", i)) for i in range(2)]
-                while len(pre.seen) < 6:
+            async def admitted(key: str, i: int) -> None:
+                """``key``'s request reaches the stuck engine (and waits there)."""
+                n = len(pre.seen)
+                held.append(asyncio.create_task(one(key, i)))
+                while len(pre.seen) == n:
+                    assert not held[-1].done(), (await held[-1]).text
                     await asyncio.sleep(0.01)
-                held += more
-                out["past_ceiling"] = (await one("kq", 1)).status_code
+
+            for i in range(3):
+                await admitted("kf", i)
+            out["flood"] = (await one("kf", 9)).status_code
+            if spare:
+                await admitted("kq", 0)
+                await admitted("kr", 0)
+                out["third_again"] = (await one("kr", 1)).status_code
+                await admitted("ks", 0)
+                out["fifth"] = (await one("kt", 0)).status_code
+            else:
+                out["quiet"] = (await one("kq", 0)).status_code
             pre.gate.set()
             out["held"] = [(await t).status_code for t in held]
-            if quiet.done() and quiet not in held:
-                out["quiet"] = (await quiet).status_code
             pre.gate = None
         return out
 
     client, pre, _ = wire(2.0)
-    out = asyncio.run(run(client, pre))
-    assert out == {"flood": 503, "past_ceiling": 503, "held": [200] * 6}, out
+    out = asyncio.run(run(client, pre, spare=True))
+    assert out == {"flood": 503, "third_again": 503, "fifth": 503, "held": [200] * 6}, out
     q = client.get("/v1/pdserve/stats", headers=OP).json()["ingress"]["prefill_queue"]
-    assert q["overload_spared"] == 3 and q["overload_refused"] == 2 and q["in_flight"] == 0
+    assert q["overload_spared"] == 3 and q["overload_refused"] == 3 and q["in_flight"] == 0
     assert q["peak"] == 6
 
     client, pre, _ = wire(1.0)
-    out = asyncio.run(run(client, pre))
+    out = asyncio.run(run(client, pre, spare=False))
     assert out == {"flood": 503, "quiet": 503, "held": [200] * 3}, out
 
 

@@ -55,17 +55,24 @@ def test_little_law_wait_and_the_refusal() -> None:
 
 def test_past_a_bound_the_tenant_below_its_share_is_spared() -> None:
     """Who a bound refuses (issue 39's multi_tenant cell: the wait bound refused the quiet
-    tenant's request beside a flood): a tenant below an equal share of the prompts in flight
-    is spared, the tenants at or above it are not, and nobody is spared past the ceiling."""
+    tenant's request beside a flood): a tenant that with its request would still hold less
+    than an equal share of the prompts in flight is spared, the others are not, and nobody
+    is spared past the ceiling."""
     flood = {"flood": 30, "quiet": 1}
-    assert spared("quiet", flood) and not spared("flood", flood)  # 1 x 2 < 31; 30 x 2 >= 31
-    assert spared("new", flood)  # nothing in flight yet: 0 x 3 < 31
+    assert spared("quiet", flood) and not spared("flood", flood)  # 2 x 2 < 32; 31 x 2 >= 32
+    assert spared("new", flood)  # nothing in flight yet: 1 x 3 < 32
     assert not spared("a", {"a": 5, "b": 5}) and not spared("b", {"a": 5, "b": 5})
     assert not spared("alone", {"alone": 9}) and not spared("alone", {})  # refused as before
-    # three tenants: the mean is 6; b (4) and c (2) are below it, a (12) is not
+    # three tenants, 18 in flight: a (12) is at twice the mean; b (4) and c (2) below it
     three = {"a": 12, "b": 4, "c": 2}
     assert [spared(t, three) for t in "abc"] == [False, True, True]
-    assert not spared("x", {"x": 0, "y": 0})  # nothing in flight: nobody is below a share
+    # the request's own prompts count: b's batch of 5 would take it to 9 of 23, past the
+    # mean of 7.7; of 2, to 6 of 20, still below 6.7
+    assert not spared("b", three, adding=5) and spared("b", three, adding=2)
+    assert not spared("new", {}, adding=100)  # one batch alone is all of the share
+    # at the mean after admission is not below it: a third tenant's second prompt beside
+    # 3 and 1 would make 2 of 6
+    assert not spared("c", {"a": 3, "b": 1, "c": 1}) and spared("c", {"a": 3, "b": 1})
     # the ceiling: spared up to the factor times the bound, never past it; 1 spares nobody
     assert not past_ceiling(60.0, 30.0, 2.0) and past_ceiling(60.5, 30.0, 2.0)
     assert past_ceiling(31.0, 30.0, 1.0)
