@@ -235,6 +235,13 @@ def test_goal_verdicts() -> None:
     assert g == {"throughput >= 1.0x": False, "ttft_p50 <= 1.0x": None, "ttft_p99 <= 1.0x": None}
     g = mx.goals(Cell("pair", "closed8", "multi_tenant"), ok | {"quiet_ttft_p99": 0.51})
     assert g["quiet tenant ttft_p99 <= 0.5x"] is False
+    # open loop: the same arrivals served by both at the offered rate is a tie, met; a
+    # shortfall of served work is not; a closed loop has no tie
+    tie = {"throughput": 0.99995}
+    assert mx.goals(Cell("two_prefill", "open0.5", "rag"), tie)["throughput >= 1.0x"] is True
+    short = {"throughput": 0.99}
+    assert mx.goals(Cell("two_prefill", "open0.5", "rag"), short)["throughput >= 1.0x"] is False
+    assert mx.goals(Cell("two_prefill", "closed8", "rag"), tie)["throughput >= 1.0x"] is False
 
 
 def test_a_failing_cell_is_reported_and_the_others_still_run(tmp_path: Path) -> None:
