@@ -120,11 +120,10 @@ class IngressConfig(_Strict):
         default=2.0,
         ge=1,
         le=100,
-        description="Past an overload bound, a request whose tenant holds less than an equal "
-        "share of the prompts in flight at the prefill is still admitted, up to this many "
-        "times the bound; the tenants at or above their share get the 503 (a flood is refused, "
-        "not the quiet tenant beside it; controllers/overload.py). 1: everyone is refused at "
-        "the bound.",
+        description="Past an overload bound, a request whose tenant, with it, would still hold "
+        "less than an equal share of the prompts in flight at the prefill is admitted, up to "
+        "this many times the bound; the others get the 503 (a flood is refused, not the quiet "
+        "tenant beside it; controllers/overload.py). 1: everyone is refused at the bound.",
     )
     overload_retry_after_s: int = Field(
         default=1, ge=1, le=3600, description="Retry-After (s) of an overload 503."
