@@ -323,9 +323,13 @@ def test_the_stats_are_read_with_the_operators_key_and_a_refusal_keeps_no_error_
     from bench.live.compare import pdserve_stats
 
     class Stats(BaseHTTPRequestHandler):
+        calls = 0
+
         def do_GET(self) -> None:  # noqa: N802 - the http.server hook's name
             ok = self.headers.get("Authorization") == "Bearer sk-op"
-            body = json.dumps({"ingress": {"requests": 3}} if ok else {"error": "no key"})
+            Stats.calls += 1  # the two ingress replicas answer in turn
+            ing = {"requests": 3, "replica": f"i{Stats.calls % 2}"}
+            body = json.dumps({"ingress": ing} if ok else {"error": "no key"})
             self.send_response(200 if ok else 401)
             self.send_header("Content-Type", "application/json")
             self.end_headers()
@@ -338,8 +342,11 @@ def test_the_stats_are_read_with_the_operators_key_and_a_refusal_keeps_no_error_
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_address[1]}"
     try:
-        assert pdserve_stats(url, "sk-op") == {"ingress": {"requests": 3}}
+        assert pdserve_stats(url, "sk-op") == {"ingress": {"requests": 3, "replica": "i1"}}
         assert pdserve_stats(url) == {} and pdserve_stats(url, "sk-other") == {}
+        # two ingress replicas: read until both were seen, each one's section kept
+        both = pdserve_stats(url, "sk-op", ingress_replicas=2)
+        assert sorted(both["ingresses"]) == ["i0", "i1"] and both["ingress"]["requests"] == 3
     finally:
         server.shutdown()
 
