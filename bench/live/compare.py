@@ -650,11 +650,10 @@ def measure(
         summary["cached_token_source"] = "usage"
         stats = None
         if system.kind == "pdserve":
-            n_ingress = int(
-                ((config.get("applications") or [{}])[0].get("args") or {})
-                .get("ingress", {})
-                .get("num_replicas", 1)
-            )
+            from deployments.config import load_app_config
+
+            args = config["applications"][0].get("args") or {}
+            n_ingress = load_app_config(args).ingress.num_replicas
             stats = pdserve_stats(url, operator_key, n_ingress)  # the figures and the file
             summary["replicas"] = engine_replicas(stats)
             (out / name).mkdir(parents=True, exist_ok=True)

@@ -65,14 +65,13 @@ class AdmissionPhase(IngressState):
         #: output tokens reserved per tenant by requests still running (each reservation is
         #: settled when its request ends, however it ends: 0 once a tenant's requests are done)
         self.reserved_tokens: dict[str, int] = {}
-        #: overload control: prompts in flight at the prefill from this ingress, their
-        #: uncached tokens, the most ever in flight, and the 503s given
-        self._inflight_prefill = 0
+        #: overload control: prompts in flight at the prefill from this ingress per tenant
+        #: (past a bound, a tenant below an equal share of them is spared the refusal:
+        #: controllers.overload.spared), their uncached tokens, the most ever in flight, and
+        #: the 503s given
+        self._inflight_by_tenant: dict[str, int] = {}
         self._inflight_uncached = 0
         self.inflight_peak = 0
-        #: the same prompts per tenant: past a bound, a tenant below an equal share of them is
-        #: spared the refusal (controllers.overload.spared)
-        self._inflight_by_tenant: dict[str, int] = {}
         #: requests admitted past a bound because their tenant was below its share
         self.overload_spared = 0
         #: the engines' completions per second (from their reports), for the wait bound
@@ -84,6 +83,11 @@ class AdmissionPhase(IngressState):
         #: requests refused because the expected wait passed ingress.max_expected_wait_s
         self.wait_refused = 0
         self.overload_refused = 0
+
+    @property
+    def _inflight_prefill(self) -> int:
+        """Prompts in flight at the prefill from this ingress (all tenants')."""
+        return sum(self._inflight_by_tenant.values())
 
     def check_queue_room(self, tenant: str) -> None:
         """Before any tokenizing: a 503 while the prefill queue is already at its request
@@ -194,9 +198,8 @@ class AdmissionPhase(IngressState):
         in flight is spared (:func:`controllers.overload.spared`). Admitted prompts count as in
         flight until their prefill returns (:meth:`run_prefill`); no ``await`` between check
         and count."""
-        tenant = parts[0][0].tenant
-        spared_wait = self.check_wait(tenant, len(parts))
-        add_req = len(parts)
+        tenant, add_req = parts[0][0].tenant, len(parts)
+        spared_wait = self.check_wait(tenant, add_req)
         tokens = [uncached_tokens(prep, hint) for prep, hint in parts]
         add_tok = sum(tokens)
         if self._overloaded(add_req, add_tok, tenant) or spared_wait:
@@ -204,14 +207,12 @@ class AdmissionPhase(IngressState):
         for (prep, _), n in zip(parts, tokens, strict=True):
             prep.run.queued_tokens = n
             self._inflight_by_tenant[prep.tenant] = self._inflight_by_tenant.get(prep.tenant, 0) + 1
-        self._inflight_prefill += add_req
         self._inflight_uncached += add_tok
         self.inflight_peak = max(self.inflight_peak, self._inflight_prefill)
 
     def release_slot(self, prep: Prepared) -> None:
         """``prep`` leaves the prefill queue counted by :meth:`admit_prefill` (once)."""
         if prep.run.queued_tokens is not None:
-            self._inflight_prefill -= 1
             self._inflight_uncached -= prep.run.queued_tokens
             prep.run.queued_tokens = None
             left = self._inflight_by_tenant.get(prep.tenant, 0) - 1
