@@ -10,7 +10,10 @@ which sizes prefill and decode together), with shorter timings for a scaled repl
 ``autoscaling.slo`` set (:class:`controllers.slo_sizing.SloConfig`; the decode step curve of
 the engine profile the app resolves, when it has one). ``always_on``: the same app with the
 autoscaler off and each role fixed at the autoscaler's ``max_replicas`` (the reference of
-every ratio).
+every ratio). ``slo[...]``: points of a sweep of the slo system's settings (``--slo-sweep``:
+:func:`parse_slo_point`), each deployed and replayed like the others; with the rest they make
+the live Pareto front (:func:`front`: cold-start fraction, replica-seconds ratio, TTFT p99
+ratio, among the systems that failed no request), drawn beside the timelines.
 
 **Replay.** The trace's first ``max_requests`` requests (:func:`bench.workloads.replay.
 load_trace`, :func:`~bench.workloads.replay.trace_requests`; the Azure conversation trace by
@@ -233,6 +236,34 @@ def parse_slo(value: str) -> dict[str, float]:
     return {"ttft_p99_s": ttft, "itl_p99_s": itl}
 
 
+def parse_slo_point(value: str) -> tuple[str, dict[str, float], float | None]:
+    """One ``--slo-sweep`` point, ``"TTFT_S,ITL_S[,MAX_COLD_FRACTION[,KEEP_ALIVE_CAP_S]]"``:
+    its system name (``slo[<the point>]``), its ``autoscaling.slo`` targets and its
+    ``idle_to_zero_s`` (the derived keep-alive's cap; None: the run's)."""
+    parts = [p.strip() for p in value.split(",")]
+    if not 2 <= len(parts) <= 4:
+        raise ValueError(
+            f"expected TTFT_S,ITL_S[,MAX_COLD_FRACTION[,KEEP_ALIVE_CAP_S]], got {value!r}"
+        )
+    targets: dict[str, float] = parse_slo(",".join(parts[:2]))
+    cap = None
+    try:
+        if len(parts) >= 3:
+            eps = float(parts[2])
+            if not 0 < eps < 1:
+                raise ValueError(f"MAX_COLD_FRACTION must be in (0, 1), got {value!r}")
+            targets["max_cold_fraction"] = eps
+        if len(parts) == 4:
+            cap = float(parts[3])
+            if not (cap >= 0 and math.isfinite(cap)):
+                raise ValueError(f"KEEP_ALIVE_CAP_S must be >= 0 s, got {value!r}")
+    except ValueError as e:
+        if "must" in str(e):
+            raise
+        raise ValueError(f"not a number in {value!r}") from None
+    return f"slo[{','.join(parts)}]", targets, cap
+
+
 def decode_step(args: dict[str, Any]) -> dict[str, Any] | None:
     """The decode step curve the app's policy sizes decode with (``autoscaling.slo.
     decode_step``: the one set, else the decode role's profile's, as ``build_app`` resolves
@@ -245,10 +276,12 @@ def decode_step(args: dict[str, Any]) -> dict[str, Any] | None:
     return dict(slo.decode_step.model_dump(mode="json"))
 
 
-def deploy_spec(system: str, args: dict[str, Any]) -> dict[str, Any]:
-    """The application a Serve config would hold for ``system`` (the autoscaled ones with
-    the application-level policy)."""
-    return config_app(APP, args, policy=system != "always_on")
+def deploy_spec(
+    system: str, args: dict[str, Any], *, autoscaled: bool | None = None
+) -> dict[str, Any]:
+    """The application a Serve config would hold for ``system`` (the autoscaled ones, every
+    system but ``always_on`` unless ``autoscaled`` says, with the application-level policy)."""
+    return config_app(APP, args, policy=system != "always_on" if autoscaled is None else autoscaled)
 
 
 # -- replica-seconds ---------------------------------------------------------------------------
@@ -409,6 +442,25 @@ def goals(summary: dict[str, Any], ratios: dict[str, float | None]) -> dict[str,
     return g
 
 
+def front(systems: dict[str, dict[str, Any]], ratios: dict[str, dict[str, Any]]) -> list[str]:
+    """The systems on the live Pareto front: among those that failed no request, the ones no
+    other beats on all of cold-start fraction, replica-seconds ratio and TTFT p99 ratio
+    (:func:`bench.sim.autoscale.pareto_front`, the simulator's front)."""
+    from bench.sim.autoscale import pareto_front
+
+    points = [
+        {
+            "name": name,
+            "cold_start_fraction": s["cold_start_fraction"],
+            "replica_seconds_ratio": ratios.get(name, {}).get("replica_seconds_ratio"),
+            "ttft_p99_ratio": ratios.get(name, {}).get("ttft_p99_ratio"),
+        }
+        for name, s in systems.items()
+        if s["errors"] == 0
+    ]
+    return [p["name"] for p in pareto_front(points)]
+
+
 # -- the run ------------------------------------------------------------------------------------
 
 
@@ -470,6 +522,7 @@ def run(
     idle_to_zero_s: float | None = 20.0,
     downscale_delay_s: float | None = 10.0,
     slo: dict[str, Any] | None = None,
+    sweep: Sequence[tuple[str, dict[str, float], float | None]] = (),
     start: str = "warm",
     trace_fmt: str | None = None,
     seed: int = 0,
@@ -478,7 +531,8 @@ def run(
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Deploy each of ``systems`` in turn, replay the trace against it, summarize and compare
-    (see the module docstring). ``config_args``: :func:`base_args` of the config's app."""
+    (see the module docstring). ``config_args``: :func:`base_args` of the config's app;
+    ``sweep``: :func:`parse_slo_point`'s points, run after ``systems``."""
     from ray import serve
 
     from deployments.config import load_app_config
@@ -486,7 +540,7 @@ def run(
     if start not in ("warm", "zero"):
         raise ValueError(f"start must be warm or zero, got {start!r}")
     unknown = [s for s in systems if s not in SYSTEMS]
-    if unknown or not systems:
+    if unknown or not (systems or sweep):
         raise ValueError(f"systems must be some of {list(SYSTEMS)}, got {list(systems)}")
     if "slo" in systems and not slo:
         raise ValueError("the slo system needs its targets (--slo TTFT_S,ITL_S)")
@@ -500,10 +554,21 @@ def run(
         )
         for s in systems
     }
-    if "slo" in per:
-        step = decode_step(per["slo"])
-        if step is not None:
-            per["slo"]["autoscaling"]["slo"].setdefault("decode_step", step)
+    for name, targets, cap in sweep:
+        if name in per:
+            raise ValueError(f"the sweep point {name} is given twice")
+        per[name] = system_args(
+            "slo",
+            config_args,
+            idle_to_zero_s=idle_to_zero_s if cap is None else cap,
+            downscale_delay_s=downscale_delay_s,
+            slo=targets,
+        )
+    for name, a in per.items():
+        if name.startswith("slo"):
+            step = decode_step(a)
+            if step is not None:
+                a["autoscaling"]["slo"].setdefault("decode_step", step)
     # refuse bad args and a trace that does not load before starting Ray
     cfg = [load_app_config(a) for a in per.values()][0]
     if not load_trace(trace, trace_fmt or trace_format(trace), max_requests):
@@ -522,7 +587,7 @@ def run(
     owns_ray = not ray.is_initialized()  # shut down at the end only a Ray this call started
     url = serve_locally(port)
     try:
-        for system in systems:
+        for system in per:
             log(f"{system}: deploying ...")
             try:
                 summary, rows = _run_system(
@@ -563,6 +628,7 @@ def run(
                 ray.shutdown()
     out.pop("_requests", None)
     out["compare"] = compare(out["systems"])
+    out["front"] = front(out["systems"], out["compare"])
     return out
 
 
@@ -583,7 +649,7 @@ def _run_system(
 
     c = load_app_config(args)
     t_deploy = time.monotonic()
-    deploy_config(deploy_spec(system, args))
+    deploy_config(deploy_spec(system, args, autoscaled=c.autoscaling.enabled))
     wait_running(APP)
     if system == "always_on":
         wait_health(url, c.prefill.num_replicas)
@@ -620,14 +686,19 @@ def _run_system(
 
 
 def plot(res: dict[str, Any], path: Path) -> None:
-    """Left: live replicas (both roles) over the replay per system; right: TTFT CDF (PNG)."""
+    """Left: live replicas (both roles) over the replay per system; middle: TTFT CDF; right:
+    replica-seconds against TTFT p99 (ratios to always_on), the front's systems filled, the
+    goals' corner shaded (PNG)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 4.8))
+    fig, (a, b, f) = plt.subplots(1, 3, figsize=(19, 4.8))
     colors = {"always_on": "tab:grey", "autoscaled": "tab:blue", "slo": "tab:orange"}
+    others = iter(("tab:green", "tab:red", "tab:purple", "tab:brown", "tab:pink", "tab:olive"))
+    for name in res.get("systems") or {}:
+        colors.setdefault(name, next(others, "black"))
     for name, rows in (res.get("timelines") or {}).items():
         if not rows:
             continue
@@ -658,6 +729,42 @@ def plot(res: dict[str, Any], path: Path) -> None:
     )
     b.grid(True, which="both", alpha=0.3)
     b.legend(fontsize=8)
+    on_front = set(res.get("front") or ())
+    for name, c in (res.get("compare") or {}).items():
+        x, y = c.get("replica_seconds_ratio"), c.get("ttft_p99_ratio")
+        if x is None or y is None:
+            continue
+        s = res["systems"][name]
+        f.scatter(
+            [x],
+            [y],
+            s=60,
+            color=colors.get(name),
+            facecolors=colors.get(name) if name in on_front else "none",
+        )
+        f.annotate(
+            f"{name} (cold {s['cold_start_fraction'] or 0:.0%}"
+            + (f", {s['errors']} failed)" if s["errors"] else ")"),
+            (x, y),
+            fontsize=7,
+            xytext=(4, 4),
+            textcoords="offset points",
+        )
+    f.fill_between(
+        [0, GOALS["max_replica_seconds_ratio"]],
+        0,
+        GOALS["max_ttft_p99_ratio"],
+        color="tab:green",
+        alpha=0.12,
+        label="goals (rs <= 0.6, p99 <= 1.5x)",
+    )
+    f.set_xlim(left=0)
+    f.set_ylim(bottom=0)
+    f.set_xlabel("replica-seconds / always_on")
+    f.set_ylabel("TTFT p99 / always_on")
+    f.set_title("Pareto front (filled: on it; failed runs excluded)")
+    f.grid(True, alpha=0.3)
+    f.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)

@@ -32,6 +32,12 @@ def autoscale_live(
     slo: str | None = typer.Option(
         None, help="TTFT_S,ITL_S: p99 targets of a third system, slo (autoscaling.slo)."
     ),
+    slo_sweep: str | None = typer.Option(
+        None,
+        help="Points of a sweep of the slo system's settings, run after --systems, separated "
+        "by ';': TTFT_S,ITL_S[,MAX_COLD_FRACTION[,KEEP_ALIVE_CAP_S]] (the cap: that point's "
+        "idle_to_zero_s). With the others they make the live Pareto front.",
+    ),
     systems: str | None = typer.Option(
         None,
         help="Systems in order (always_on, autoscaled, slo); default: always_on,autoscaled "
@@ -67,7 +73,7 @@ def autoscale_live(
     import yaml
     from tqdm import tqdm
 
-    from bench.live.autoscale_live import parse_slo
+    from bench.live.autoscale_live import parse_slo, parse_slo_point
 
     if not trace.exists():
         raise typer.BadParameter(f"{trace} does not exist", param_hint="--trace")
@@ -81,6 +87,16 @@ def autoscale_live(
             targets = parse_slo(slo)
         except ValueError as e:
             raise typer.BadParameter(str(e), param_hint="--slo") from None
+    sweep = []
+    for point in (slo_sweep or "").split(";"):
+        if not point.strip():
+            continue
+        try:
+            sweep.append(parse_slo_point(point))
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--slo-sweep") from None
+    if len({name for name, _, _ in sweep}) < len(sweep):
+        raise typer.BadParameter("a point is given twice", param_hint="--slo-sweep")
     if systems is None:
         chosen = ["always_on", "autoscaled"] + (["slo"] if targets else [])
     else:
@@ -121,6 +137,7 @@ def autoscale_live(
             idle_to_zero_s=idle_to_zero_s,
             downscale_delay_s=downscale_delay_s,
             slo=targets,
+            sweep=sweep,
             start="zero" if from_zero else "warm",
             trace_fmt=trace_format,
             port=port,
@@ -158,9 +175,10 @@ def _ok(v: bool | None) -> str:
 
 def summary_table(res: dict[str, Any]) -> str:
     """One row per system: requests, cold fraction, replica-seconds, TTFT and ITL, ratios to
-    always-on, goals met."""
+    always-on, goals met, on the Pareto front."""
     rows = []
     cmp = res.get("compare") or {}
+    on_front = set(res.get("front") or ())
     for name, s in res["systems"].items():
         c = cmp.get(name) or {}
         g = c.get("goals") or {}
@@ -182,6 +200,7 @@ def summary_table(res: dict[str, Any]) -> str:
                     f"{k}:{_ok(g.get(k))}"
                     for k in ("cold_starts", "replica_seconds", "ttft_p99", "no_errors")
                 ),
+                "yes" if name in on_front else "",
             ]
         )
     head = [
@@ -196,5 +215,6 @@ def summary_table(res: dict[str, Any]) -> str:
         "rs / on",
         "p99 / on",
         "goals",
+        "front",
     ]
     return fmt(head, rows)

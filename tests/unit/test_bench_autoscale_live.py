@@ -18,7 +18,9 @@ from bench.live.autoscale_live import (
     compare,
     deploy_spec,
     fit_requests,
+    front,
     parse_slo,
+    parse_slo_point,
     replica_seconds,
     summarize_system,
     system_args,
@@ -241,6 +243,8 @@ def test_the_command_refuses_bad_options_before_starting_ray(tmp_path: Path) -> 
         (["--slo", "1"], "--slo"),
         (["--systems", "always_on,slo"], "--slo"),
         (["--systems", "always_on,nope"], "--systems"),
+        (["--slo-sweep", "1,0.05;1,0.05,1.5"], "--slo-sweep"),
+        (["--slo-sweep", "1,0.05;1,0.05"], "--slo-sweep"),
         (["--config", str(tmp_path / "none.yaml")], "--config"),
     ):
         res = runner.invoke(app, [*base, *extra])
@@ -300,3 +304,77 @@ def test_run_goes_through_each_system_and_reports_one_that_failed(
     import json
 
     json.dumps(res)  # the whole result is JSON
+
+
+def test_a_sweep_point_names_its_targets_and_keep_alive_cap() -> None:
+    assert parse_slo_point("2,0.05") == (
+        "slo[2,0.05]",
+        {"ttft_p99_s": 2.0, "itl_p99_s": 0.05},
+        None,
+    )
+    name, targets, cap = parse_slo_point(" 0.5, 0.05, 0.2, 3 ")
+    assert name == "slo[0.5,0.05,0.2,3]" and cap == 3.0
+    assert targets == {"ttft_p99_s": 0.5, "itl_p99_s": 0.05, "max_cold_fraction": 0.2}
+    for bad in ("1", "1,0.05,0", "1,0.05,1", "1,0.05,x", "1,0.05,0.1,-1", "1,0.05,0.1,2,3"):
+        with pytest.raises(ValueError):
+            parse_slo_point(bad)
+
+
+def test_the_front_keeps_the_unbeaten_systems_that_failed_nothing() -> None:
+    on = _summary([0.1] * 100, 0, 300.0)
+    cheap = _summary([0.1] * 99 + [0.3], 0, 200.0)  # cheaper, slower: on the front
+    worse = _summary([0.1] * 99 + [0.4], 0, 250.0)  # beaten by cheap on every axis
+    cold = _summary([0.1] * 100, 30, 60.0)  # cheapest, cold starts: on the front
+    failed = _summary([0.1] * 100, 0, 30.0, errors=1)  # would beat all: not a valid point
+    systems = {"always_on": on, "cheap": cheap, "worse": worse, "cold": cold, "failed": failed}
+    assert front(systems, compare(systems)) == ["always_on", "cheap", "cold"]
+
+
+def test_run_deploys_each_sweep_point_with_its_targets_and_cap(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The orchestration of a sweep (no Ray: deploying and replaying are stand-ins)."""
+    import bench.live.autoscale_live as live
+    from pdserve.commands.bench_autoscale_live import summary_table
+
+    calls: list[tuple[str, dict[str, Any]]] = []
+    cost = {"always_on": 300.0, "slo[0.5,0.05]": 310.0, "slo[8,0.05,0.3,2]": 90.0}
+
+    def fake_system(system: str, args: dict[str, Any], url: str, out: dict[str, Any], **kw: Any):
+        calls.append((system, args))
+        out.setdefault("replay", {"requests": 1})
+        cold = 40 if system.endswith(",2]") else 0
+        return _summary([0.1] * 100, cold, cost[system]), [
+            {"t": 0.0, "prefill": 1.0, "decode": 1.0}
+        ]
+
+    import ray
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(live, "serve_locally", lambda port: f"http://127.0.0.1:{port}")
+    monkeypatch.setattr(live, "_run_system", fake_system)
+    monkeypatch.setattr(live, "delete_app", lambda app: None)
+    trace = ROOT / "bench" / "data" / "azure_llm_2023" / "AzureLLMInferenceTrace_conv.csv"
+    points = [parse_slo_point("0.5,0.05"), parse_slo_point("8,0.05,0.3,2")]
+    res = live.run(
+        _config_args(),
+        trace,
+        systems=["always_on"],
+        sweep=points,
+        max_requests=5,
+        idle_to_zero_s=20,
+        log=lambda _: None,
+    )
+    assert [c[0] for c in calls] == ["always_on", "slo[0.5,0.05]", "slo[8,0.05,0.3,2]"]
+    tight, zero = (load_app_config(c[1], environ={}).autoscaling for c in calls[1:])
+    assert tight.slo is not None and tight.slo.ttft_p99_s == 0.5 and tight.idle_to_zero_s == 20
+    assert tight.slo.decode_step is not None  # the profile's curve, as for the slo system
+    assert zero.slo is not None and zero.slo.max_cold_fraction == 0.3 and zero.idle_to_zero_s == 2
+    # the tight point costs more than always_on at its TTFT: beaten; the cold one is cheapest
+    assert res["front"] == ["always_on", "slo[8,0.05,0.3,2]"]
+    table = summary_table(res)
+    assert "front" in table and table.count("yes") >= 2
+    live.plot(res, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 0
+    with pytest.raises(ValueError, match="twice"):
+        live.run(_config_args(), trace, systems=[], sweep=points + points[:1], log=lambda _: None)
