@@ -574,6 +574,129 @@ def pdserve_stats(
     return first
 
 
+#: Each engine replica's load fields a stats timeline keeps (``engines.runtime.load_report``).
+TIMELINE_FIELDS = (
+    "waiting",
+    "running",
+    "queued_uncached_tokens",
+    "kv_usage",
+    "kv_pinned_requests",
+    "token_load",
+    "window_tokens",
+)
+#: The period of a stats timeline's reads (s).
+TIMELINE_PERIOD_S = 2.0
+
+
+def timeline_row(stats: Mapping[str, Any], t: float) -> dict[str, Any]:
+    """One row of a stats timeline: ``t`` (s since the replay began), each engine replica's
+    :data:`TIMELINE_FIELDS` by role and id (as its last report said), and the answering
+    ingress replica's prompts in flight at the prefill (``prefill_in_flight``)."""
+    queue = (stats.get("ingress") or {}).get("prefill_queue") or {}
+    return {
+        "t": round(t, 2),
+        "prefill_in_flight": queue.get("in_flight"),
+        "replicas": {
+            role: {str(r.get("id")): {k: r.get(k) for k in TIMELINE_FIELDS} for r in rs}
+            for role, rs in (stats.get("replicas") or {}).items()
+        },
+    }
+
+
+class StatsTimeline:
+    """Reads pdserve's ``/v1/pdserve/stats`` every ``period_s`` in a thread while a replay
+    runs: how the engines' queues and KV moved (issue 39's cause analysis: where a request
+    waits at the prefill engine, behind its queue or behind KV pinned for transfers). A read
+    that fails or is refused is skipped."""
+
+    def __init__(self, url: str, key: str | None, period_s: float = TIMELINE_PERIOD_S) -> None:
+        self.url, self.key, self.period_s = url, key, period_s
+        self.rows: list[dict[str, Any]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._t0 = 0.0
+
+    def _run(self) -> None:
+        import httpx
+
+        headers = {"Authorization": f"Bearer {self.key}"} if self.key else {}
+        while not self._stop.is_set():
+            with contextlib.suppress(Exception):
+                r = httpx.get(f"{self.url}/v1/pdserve/stats", headers=headers, timeout=10)
+                if r.status_code == 200:
+                    self.rows.append(timeline_row(r.json(), time.monotonic() - self._t0))
+            self._stop.wait(self.period_s)
+
+    def __enter__(self) -> StatsTimeline:
+        self._t0 = time.monotonic()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+
+def plot_timeline(rows: Sequence[Mapping[str, Any]], path: Path, title: str) -> None:
+    """The engines over the replay (PNG): prefill replicas' waiting and running requests,
+    their KV use and requests pinned for a pull, and the decode replicas' waiting and
+    running."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.4))
+    ts = [r["t"] for r in rows]
+    ids = {
+        role: sorted({i for r in rows for i in (r["replicas"].get(role) or {})})
+        for role in ("prefill", "decode")
+    }
+
+    def series(role: str, rid: str, key: str) -> list[float]:
+        return [float(((r["replicas"].get(role) or {}).get(rid) or {}).get(key) or 0) for r in rows]
+
+    a, k, d = axes
+    for rid in ids["prefill"]:
+        (line,) = a.plot(ts, series("prefill", rid, "waiting"), label=f"{rid} waiting")
+        a.plot(
+            ts,
+            series("prefill", rid, "running"),
+            ls="--",
+            color=line.get_color(),
+            label=f"{rid} running",
+        )
+        (line,) = k.plot(ts, series("prefill", rid, "kv_usage"), label=f"{rid} KV use")
+        k.plot(
+            ts,
+            [x / 10 for x in series("prefill", rid, "kv_pinned_requests")],
+            ls=":",
+            color=line.get_color(),
+            label=f"{rid} pinned requests / 10",
+        )
+    for rid in ids["decode"]:
+        (line,) = d.plot(ts, series("decode", rid, "waiting"), label=f"{rid} waiting")
+        d.plot(
+            ts,
+            series("decode", rid, "running"),
+            ls="--",
+            color=line.get_color(),
+            label=f"{rid} running",
+        )
+    a.set_title("prefill engines: requests")
+    k.set_title("prefill engines: KV")
+    d.set_title("decode engines: requests")
+    for ax in axes:
+        ax.set_xlabel("s from the replay's start")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 @dataclass
 class Measured:
     """One system's figures."""
@@ -634,10 +757,12 @@ def measure(
         watch.sample()
         cpu0 = watch.cpu_seconds()
         bar = tqdm(total=len(reqs), desc=name, unit="req", disable=not progress)
+        timeline = StatsTimeline(url, operator_key) if system.kind == "pdserve" else None
         try:
-            results, wall = asyncio.run(
-                replay(url, reqs, model=model, concurrency=concurrency, progress=bar.update)
-            )
+            with timeline or contextlib.nullcontext():
+                results, wall = asyncio.run(
+                    replay(url, reqs, model=model, concurrency=concurrency, progress=bar.update)
+                )
         finally:
             bar.close()
             watch.stop()
@@ -658,6 +783,9 @@ def measure(
             summary["replicas"] = engine_replicas(stats)
             (out / name).mkdir(parents=True, exist_ok=True)
             (out / name / "stats.json").write_text(json.dumps(stats, indent=2))
+            if timeline is not None and timeline.rows:
+                (out / name / "stats_timeline.json").write_text(json.dumps(timeline.rows))
+                plot_timeline(timeline.rows, out / name / "engines_over_time.png", name)
         if before is not None:
             hits, queries = peer_prefix_counts(metrics_port, replicas)
             dq = queries - before[1]

@@ -380,3 +380,60 @@ def test_the_benchs_ray_head_gets_a_token_on_a_fresh_machine(
     other = tmp_path / "none" / "auth_token"
     compare.start_ray({"RAY_AUTH_MODE": "disabled", "RAY_AUTH_TOKEN_PATH": str(other)})
     assert not other.exists()  # no token without token authentication
+
+
+def test_the_stats_timeline_keeps_each_engines_load_over_the_replay(tmp_path: Path) -> None:
+    """While a replay runs, the stats are read every period with the operator's key; each row
+    keeps every engine replica's queue and KV fields by role and id (what the cause analysis
+    of a wait at the prefill engine needs), and a refused read adds no row."""
+    import json
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from bench.live.compare import StatsTimeline, plot_timeline, timeline_row
+
+    report = {
+        "id": "p1",
+        "waiting": 7,
+        "running": 1,
+        "kv_usage": 0.9,
+        "kv_pinned_requests": 12,
+        "rss_mb": 1.0,
+    }
+    stats = {
+        "ingress": {"prefill_queue": {"in_flight": 9}},
+        "replicas": {"prefill": [report], "decode": [{"id": "d1", "waiting": 2, "running": 5}]},
+    }
+    row = timeline_row(stats, 3.14159)
+    assert row["t"] == 3.14 and row["prefill_in_flight"] == 9
+    p1 = row["replicas"]["prefill"]["p1"]
+    assert (p1["waiting"], p1["kv_usage"], p1["kv_pinned_requests"]) == (7, 0.9, 12)
+    assert "rss_mb" not in p1 and row["replicas"]["decode"]["d1"]["running"] == 5
+
+    class Stats(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the http.server hook's name
+            ok = self.headers.get("Authorization") == "Bearer sk-op"
+            body = json.dumps(stats if ok else {"error": "no key"})
+            self.send_response(200 if ok else 401)
+            self.end_headers()
+            self.wfile.write(body.encode())
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Stats)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        with StatsTimeline(url, "sk-op", period_s=0.05) as good, StatsTimeline(url, None) as bad:
+            deadline = time.monotonic() + 10
+            while len(good.rows) < 3 and time.monotonic() < deadline:
+                time.sleep(0.05)
+        assert len(good.rows) >= 3 and bad.rows == []
+        ts = [r["t"] for r in good.rows]
+        assert ts == sorted(ts) and good.rows[0]["replicas"] == row["replicas"]
+    finally:
+        server.shutdown()
+    plot_timeline(good.rows, tmp_path / "e.png", "pdserve")
+    assert (tmp_path / "e.png").stat().st_size > 0
