@@ -45,6 +45,15 @@ class EngineSchedulerConfig(BaseModel):
         description="Admission gate: twp (Token Window Pacing), none, or the class default.",
     )
     twp: TWPConfig = Field(default_factory=TWPConfig, description="TWP's parameters.")
+    step_tokens: int | None = Field(
+        default=None,
+        ge=16,
+        description="Tokens one engine step may schedule (vLLM's max_num_scheduled_tokens, at "
+        "most max_num_batched_tokens); None: the engine's budget. A request, however short or "
+        "cached, waits for the step in progress and then rides a step of its own order, so its "
+        "TTFT is at least about two steps: a smaller step bounds that wait on a slow engine "
+        "(issue 39's quiet tenant: docs/design/matrix_39_causes.md).",
+    )
     colocated_chunking: bool = Field(
         default=True,
         description="Colocated mode: set vLLM's long_prefill_token_threshold to TWP's chunk C "

@@ -173,6 +173,11 @@ class PdserveSchedulerMixin:
         if self.gate is not None and self.colocated and cfg.colocated_chunking and not threshold:
             threshold = cfg.twp.C
         self.scheduler_config.long_prefill_token_threshold = threshold
+        if not hasattr(self, "_engine_step_tokens"):
+            self._engine_step_tokens = self.max_num_scheduled_tokens
+        self.max_num_scheduled_tokens = min(
+            self._engine_step_tokens, cfg.step_tokens or self._engine_step_tokens
+        )
         if self._publisher is not None and self._publisher.endpoint != cfg.channel:
             self._publisher.close()
             self._publisher = None

@@ -290,3 +290,21 @@ def test_the_replicas_engine_calls_read_and_change_the_live_plugin(pd_engine: Pd
     with pytest.raises(ValueError, match="unknown engine call 'nope'"):
         call(sched, "nope")
     pd_engine.configure(prefill_policy="fcfs")
+
+
+def test_step_tokens_bounds_each_steps_schedule_and_is_undone_by_reconfiguring(
+    pd_engine: PdEngine,
+) -> None:
+    """``step_tokens`` caps what one step schedules (vLLM's max_num_scheduled_tokens) below the
+    engine's budget (512 here): four 384-token prompts go through in steps of at most 128
+    tokens; configured again without it, the engine's own budget is back."""
+    rng = random.Random(11)
+    biggest: dict[int | None, int] = {}
+    for cap in (128, None):
+        sched = pd_engine.configure(prefill_policy="fairway", step_tokens=cap)
+        for i in range(4):
+            pd_engine.add(f"s{cap}-{i}", _tokens(rng, 384), max_tokens=1)
+        pd_engine.drain()
+        biggest[cap] = max(r.scheduled_tokens for r in sched.records)
+        sched.records.clear()
+    assert biggest[128] <= 128 < biggest[None] <= 512, biggest
