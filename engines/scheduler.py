@@ -123,6 +123,7 @@ class PdserveSchedulerMixin:
     vllm_config: Any
     policy: Any
     block_size: int
+    max_num_scheduled_tokens: int
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

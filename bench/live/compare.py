@@ -657,32 +657,36 @@ def plot_timeline(rows: Sequence[Mapping[str, Any]], path: Path, title: str) -> 
         return [float(((r["replicas"].get(role) or {}).get(rid) or {}).get(key) or 0) for r in rows]
 
     a, k, d = axes
-    for rid in ids["prefill"]:
-        (line,) = a.plot(ts, series("prefill", rid, "waiting"), label=f"{rid} waiting")
-        a.plot(
+
+    def pair(
+        ax: Any,
+        role: str,
+        rid: str,
+        keys: tuple[str, str],
+        labels: tuple[str, str],
+        scale: float = 1.0,
+    ) -> None:
+        (line,) = ax.plot(ts, series(role, rid, keys[0]), label=f"{rid} {labels[0]}")
+        ax.plot(
             ts,
-            series("prefill", rid, "running"),
+            [x * scale for x in series(role, rid, keys[1])],
             ls="--",
             color=line.get_color(),
-            label=f"{rid} running",
+            label=f"{rid} {labels[1]}",
         )
-        (line,) = k.plot(ts, series("prefill", rid, "kv_usage"), label=f"{rid} KV use")
-        k.plot(
-            ts,
-            [x / 10 for x in series("prefill", rid, "kv_pinned_requests")],
-            ls=":",
-            color=line.get_color(),
-            label=f"{rid} pinned requests / 10",
+
+    for rid in ids["prefill"]:
+        pair(a, "prefill", rid, ("waiting", "running"), ("waiting", "running"))
+        pair(
+            k,
+            "prefill",
+            rid,
+            ("kv_usage", "kv_pinned_requests"),
+            ("KV use", "pinned requests / 10"),
+            0.1,
         )
     for rid in ids["decode"]:
-        (line,) = d.plot(ts, series("decode", rid, "waiting"), label=f"{rid} waiting")
-        d.plot(
-            ts,
-            series("decode", rid, "running"),
-            ls="--",
-            color=line.get_color(),
-            label=f"{rid} running",
-        )
+        pair(d, "decode", rid, ("waiting", "running"), ("waiting", "running"))
     a.set_title("prefill engines: requests")
     k.set_title("prefill engines: KV")
     d.set_title("decode engines: requests")

@@ -5,6 +5,8 @@ The side-by-side run itself brings whole clusters up; its figures are in the iss
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -312,43 +314,51 @@ def test_write_requests_keeps_one_line_per_request_in_order(tmp_path: Path) -> N
     assert rows[1]["ok"] is False and len(rows[1]["error"]) == 200
 
 
-def test_the_stats_are_read_with_the_operators_key_and_a_refusal_keeps_no_error_body() -> None:
-    """An app that needs keys refuses ``/v1/pdserve/stats`` without the operator's; the kept
-    stats were then its 401 body (the multi_tenant cells' ``stats.json``). With the key they
-    are read; a refusal gives no stats rather than the error as if it were stats."""
+@contextlib.contextmanager
+def _stats_server(body: Callable[[bool], dict[str, Any]]) -> Iterator[str]:
+    """A stand-in ingress answering ``/v1/pdserve/stats`` with ``body(ok)``: 200 with the
+    operator's key (``sk-op``), else 401; yields its URL."""
     import json
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    from bench.live.compare import pdserve_stats
-
     class Stats(BaseHTTPRequestHandler):
-        calls = 0
-
         def do_GET(self) -> None:  # noqa: N802 - the http.server hook's name
             ok = self.headers.get("Authorization") == "Bearer sk-op"
-            Stats.calls += 1  # the two ingress replicas answer in turn
-            ing = {"requests": 3, "replica": f"i{Stats.calls % 2}"}
-            body = json.dumps({"ingress": ing} if ok else {"error": "no key"})
             self.send_response(200 if ok else 401)
             self.send_header("Content-Type", "application/json")
             self.end_headers()
-            self.wfile.write(body.encode())
+            self.wfile.write(json.dumps(body(ok)).encode())
 
         def log_message(self, *args: Any) -> None:
             pass
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Stats)
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
     try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+
+
+def test_the_stats_are_read_with_the_operators_key_and_a_refusal_keeps_no_error_body() -> None:
+    """An app that needs keys refuses ``/v1/pdserve/stats`` without the operator's; the kept
+    stats were then its 401 body (the multi_tenant cells' ``stats.json``). With the key they
+    are read; a refusal gives no stats rather than the error as if it were stats."""
+    from bench.live.compare import pdserve_stats
+
+    calls = [0]
+
+    def body(ok: bool) -> dict[str, Any]:
+        calls[0] += 1  # the two ingress replicas answer in turn
+        return {"ingress": {"requests": 3, "replica": f"i{calls[0] % 2}"}} if ok else {"error": "x"}
+
+    with _stats_server(body) as url:
         assert pdserve_stats(url, "sk-op") == {"ingress": {"requests": 3, "replica": "i1"}}
         assert pdserve_stats(url) == {} and pdserve_stats(url, "sk-other") == {}
         # two ingress replicas: read until both were seen, each one's section kept
         both = pdserve_stats(url, "sk-op", ingress_replicas=2)
         assert sorted(both["ingresses"]) == ["i0", "i1"] and both["ingress"]["requests"] == 3
-    finally:
-        server.shutdown()
 
 
 def test_the_benchs_ray_head_gets_a_token_on_a_fresh_machine(
@@ -386,10 +396,7 @@ def test_the_stats_timeline_keeps_each_engines_load_over_the_replay(tmp_path: Pa
     """While a replay runs, the stats are read every period with the operator's key; each row
     keeps every engine replica's queue and KV fields by role and id (what the cause analysis
     of a wait at the prefill engine needs), and a refused read adds no row."""
-    import json
-    import threading
     import time
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     from bench.live.compare import StatsTimeline, plot_timeline, timeline_row
 
@@ -411,21 +418,7 @@ def test_the_stats_timeline_keeps_each_engines_load_over_the_replay(tmp_path: Pa
     assert (p1["waiting"], p1["kv_usage"], p1["kv_pinned_requests"]) == (7, 0.9, 12)
     assert "rss_mb" not in p1 and row["replicas"]["decode"]["d1"]["running"] == 5
 
-    class Stats(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - the http.server hook's name
-            ok = self.headers.get("Authorization") == "Bearer sk-op"
-            body = json.dumps(stats if ok else {"error": "no key"})
-            self.send_response(200 if ok else 401)
-            self.end_headers()
-            self.wfile.write(body.encode())
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Stats)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{server.server_address[1]}"
-    try:
+    with _stats_server(lambda ok: stats if ok else {"error": "no key"}) as url:
         with StatsTimeline(url, "sk-op", period_s=0.05) as good, StatsTimeline(url, None) as bad:
             deadline = time.monotonic() + 10
             while len(good.rows) < 3 and time.monotonic() < deadline:
@@ -433,7 +426,5 @@ def test_the_stats_timeline_keeps_each_engines_load_over_the_replay(tmp_path: Pa
         assert len(good.rows) >= 3 and bad.rows == []
         ts = [r["t"] for r in good.rows]
         assert ts == sorted(ts) and good.rows[0]["replicas"] == row["replicas"]
-    finally:
-        server.shutdown()
     plot_timeline(good.rows, tmp_path / "e.png", "pdserve")
     assert (tmp_path / "e.png").stat().st_size > 0
