@@ -50,8 +50,9 @@ class EngineSchedulerConfig(BaseModel):
         ge=16,
         description="Tokens one engine step may schedule (vLLM's max_num_scheduled_tokens, at "
         "most max_num_batched_tokens); None: the engine's budget. A request, however short or "
-        "cached, waits for the step in progress and then rides a step of its own order, so its "
-        "TTFT is at least about two steps: a smaller step bounds that wait on a slow engine "
+        "cached, waits for the step in progress and then rides a step of its own, so its TTFT "
+        "is at least about 1.5 steps whatever its order: a smaller step bounds that wait on a "
+        "slow engine "
         "(issue 39's quiet tenant: docs/design/matrix_39_causes.md).",
     )
     colocated_chunking: bool = Field(
