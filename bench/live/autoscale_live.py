@@ -246,22 +246,17 @@ def parse_slo_point(value: str) -> tuple[str, dict[str, float], float | None]:
             f"expected TTFT_S,ITL_S[,MAX_COLD_FRACTION[,KEEP_ALIVE_CAP_S]], got {value!r}"
         )
     targets: dict[str, float] = parse_slo(",".join(parts[:2]))
-    cap = None
     try:
-        if len(parts) >= 3:
-            eps = float(parts[2])
-            if not 0 < eps < 1:
-                raise ValueError(f"MAX_COLD_FRACTION must be in (0, 1), got {value!r}")
-            targets["max_cold_fraction"] = eps
-        if len(parts) == 4:
-            cap = float(parts[3])
-            if not (cap >= 0 and math.isfinite(cap)):
-                raise ValueError(f"KEEP_ALIVE_CAP_S must be >= 0 s, got {value!r}")
-    except ValueError as e:
-        if "must" in str(e):
-            raise
+        eps, cap = (float(p) for p in (*parts[2:], "nan", "nan")[:2])
+    except ValueError:
         raise ValueError(f"not a number in {value!r}") from None
-    return f"slo[{','.join(parts)}]", targets, cap
+    if len(parts) >= 3:
+        if not 0 < eps < 1:
+            raise ValueError(f"MAX_COLD_FRACTION must be in (0, 1), got {value!r}")
+        targets["max_cold_fraction"] = eps
+    if len(parts) == 4 and not (cap >= 0 and math.isfinite(cap)):
+        raise ValueError(f"KEEP_ALIVE_CAP_S must be >= 0 s, got {value!r}")
+    return f"slo[{','.join(parts)}]", targets, cap if len(parts) == 4 else None
 
 
 def decode_step(args: dict[str, Any]) -> dict[str, Any] | None:
@@ -276,12 +271,10 @@ def decode_step(args: dict[str, Any]) -> dict[str, Any] | None:
     return dict(slo.decode_step.model_dump(mode="json"))
 
 
-def deploy_spec(
-    system: str, args: dict[str, Any], *, autoscaled: bool | None = None
-) -> dict[str, Any]:
+def deploy_spec(system: str, args: dict[str, Any]) -> dict[str, Any]:
     """The application a Serve config would hold for ``system`` (the autoscaled ones, every
-    system but ``always_on`` unless ``autoscaled`` says, with the application-level policy)."""
-    return config_app(APP, args, policy=system != "always_on" if autoscaled is None else autoscaled)
+    system but ``always_on``, sweep points included, with the application-level policy)."""
+    return config_app(APP, args, policy=system != "always_on")
 
 
 # -- replica-seconds ---------------------------------------------------------------------------
@@ -649,7 +642,7 @@ def _run_system(
 
     c = load_app_config(args)
     t_deploy = time.monotonic()
-    deploy_config(deploy_spec(system, args, autoscaled=c.autoscaling.enabled))
+    deploy_config(deploy_spec(system, args))
     wait_running(APP)
     if system == "always_on":
         wait_health(url, c.prefill.num_replicas)

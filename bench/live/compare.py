@@ -541,6 +541,19 @@ def write_requests(path: Path, reqs: Sequence[LiveRequest], results: Sequence[An
             f.write(json.dumps(row) + "\n")
 
 
+def read_stats(url: str, key: str | None, timeout_s: float = 30.0) -> dict[str, Any] | None:
+    """One read of pdserve's ``/v1/pdserve/stats`` (with the operator's ``key`` when given);
+    None when it fails or is refused."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    try:
+        r = httpx.get(f"{url}/v1/pdserve/stats", headers=headers, timeout=timeout_s)
+        return dict(r.json()) if r.status_code == 200 else None
+    except Exception:  # noqa: BLE001 - a figure missing, not a failed run
+        return None
+
+
 def pdserve_stats(
     url: str, key: str | None = None, ingress_replicas: int = 1, tries: int = 16
 ) -> dict[str, Any]:
@@ -551,19 +564,12 @@ def pdserve_stats(
     replica; with ``ingress_replicas`` > 1 it reads up to ``tries`` times until it has seen
     that many, and adds ``ingresses`` (each one's ``ingress`` section, by replica id): the
     overload counts of issue 39's multi_tenant cells were one replica's of two."""
-    import httpx
-
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
     first: dict[str, Any] = {}
     seen: dict[str, Any] = {}
     for _ in range(max(1, tries)):
-        try:
-            r = httpx.get(f"{url}/v1/pdserve/stats", headers=headers, timeout=30)
-        except Exception:  # noqa: BLE001 - a figure missing, not a failed run
+        body = read_stats(url, key)
+        if body is None:
             break
-        if r.status_code != 200:
-            break
-        body = dict(r.json())
         first = first or body
         ing = body.get("ingress") or {}
         seen[str(ing.get("replica"))] = ing
@@ -617,14 +623,10 @@ class StatsTimeline:
         self._t0 = 0.0
 
     def _run(self) -> None:
-        import httpx
-
-        headers = {"Authorization": f"Bearer {self.key}"} if self.key else {}
         while not self._stop.is_set():
-            with contextlib.suppress(Exception):
-                r = httpx.get(f"{self.url}/v1/pdserve/stats", headers=headers, timeout=10)
-                if r.status_code == 200:
-                    self.rows.append(timeline_row(r.json(), time.monotonic() - self._t0))
+            body = read_stats(self.url, self.key, timeout_s=10.0)
+            if body is not None:
+                self.rows.append(timeline_row(body, time.monotonic() - self._t0))
             self._stop.wait(self.period_s)
 
     def __enter__(self) -> StatsTimeline:
