@@ -44,9 +44,11 @@ run is a callable (:data:`RunSystem`) so that the unit tests stand it in. Result
 
 from __future__ import annotations
 
+import collections
 import json
 import math
 import statistics
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -538,11 +540,26 @@ def run_matrix(
     progress: bool = True,
     notes: Mapping[str, Any] | None = None,
     on_run: Callable[[dict[str, Any]], None] | None = None,
+    resume: bool = False,
+    budget_s: float | None = None,
+    code: str | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> dict[str, Any]:
     """Run every cell ``repeats`` times over ``systems`` (the reference among them), then the
     ratios, goals and report in ``out`` (``matrix.json``, ``report.md``, ``heatmap.png``).
     A run that raises is recorded with its error and the others go on; ``matrix.json`` is
-    rewritten after each run, so an interrupted matrix keeps what it measured."""
+    rewritten after each run, so an interrupted matrix keeps what it measured.
+
+    The whole matrix is about a day of runs on a small machine, so it can be filled in
+    slices: with ``resume`` the runs already in ``out/matrix.json`` that have figures are
+    kept and not run again (a failed one is run again), its capacities and each open cell's
+    rate are reused (every repeat of a cell keeps the same arrivals), and cells measured
+    before but not selected now stay in the report. The earlier file must have the same
+    systems and seed (else ``ValueError`` naming the difference); ``repeats`` may grow.
+    With ``budget_s`` no run starts once that many seconds have passed: the cells not
+    finished are reported as ``incomplete`` and ``stopped`` says so. ``code`` (e.g. the git
+    commit) is written into each run's record, so that a matrix filled over several
+    sessions says which code each run measured."""
     from tqdm import tqdm
 
     if REFERENCE not in systems:
@@ -551,10 +568,8 @@ def run_matrix(
     out.mkdir(parents=True, exist_ok=True)
     order = run_order(systems, repeats)
     cells = schedule(cells)
-    need_cap = sorted(
-        {c.capacity_cell for c in cells if c.concurrency is None} - set(cells),
-        key=lambda c: (c.layout, WORKLOADS.index(c.workload)),
-    )
+    prev = previous_matrix(out, systems, seed) if resume else None
+    start = clock()
     res: dict[str, Any] = {
         "simulated": False,
         "reference": REFERENCE,
@@ -564,20 +579,51 @@ def run_matrix(
         "seed": seed,
         "spread": "min-max over repeats of the per-repeat ratio (same requests on both sides)",
         "notes": dict(notes or {}),
-        "capacity_rps": {},
-        "capacity_runs": [],
-        "cells": {},
+        "capacity_rps": dict((prev or {}).get("capacity_rps") or {}),
+        "capacity_runs": [r for r in (prev or {}).get("capacity_runs") or [] if r.get("figures")],
+        "cells": {
+            name: {k: v for k, v in c.items() if k in ("rate_rps",)}
+            | {"runs": [r for r in c.get("runs") or [] if r.get("figures")]}
+            for name, c in ((prev or {}).get("cells") or {}).items()
+        },
     }
-    total = len(need_cap) + len(cells) * repeats * len(systems)
-    bar = tqdm(total=total, desc="matrix", unit="run", disable=not progress)
+    need_cap = sorted(
+        {c.capacity_cell for c in cells if c.concurrency is None}
+        - set(cells)
+        - {c for c in all_cells() if c.name in res["capacity_rps"]},
+        key=lambda c: (c.layout, WORKLOADS.index(c.workload)),
+    )
+
+    def done(cell: Cell, rep: int, system: str) -> bool:
+        runs = (res["cells"].get(cell.name) or {}).get("runs") or []
+        return any(r["repeat"] == rep and r["system"] == system for r in runs)
+
+    todo = [
+        (c, rep, s) for c in cells for rep, names in enumerate(order) for s in names
+        if not done(c, rep, s)
+    ]  # fmt: skip
+    bar = tqdm(total=len(need_cap) + len(todo), desc="matrix", unit="run", disable=not progress)
+
+    class OutOfBudget(Exception):
+        pass
+
+    def check_budget() -> None:
+        if budget_s is not None and clock() - start >= budget_s:
+            res["stopped"] = (
+                f"budget of {budget_s / 60:.0f} min spent; run again with --resume to go on"
+            )
+            raise OutOfBudget
 
     def save() -> None:
         (out / "matrix.json").write_text(json.dumps(res, indent=2, default=str))
 
     def one(system: str, cell: Cell, rep: int, rate: float | None, reqs: list[LiveRequest],
             folder: Path) -> dict[str, Any]:  # fmt: skip
+        check_budget()
         bar.set_postfix_str(f"{cell.name} #{rep + 1} {system}")
         rec: dict[str, Any] = {"system": system, "repeat": rep, "seed": seed + rep, "rate": rate}
+        if code is not None:
+            rec["code"] = code
         try:
             cfg = layout_config(base, cell.layout)
             rec["figures"] = run_system(
@@ -606,27 +652,29 @@ def run_matrix(
             save()
         for cell in cells:
             folder = out / cell.name.replace("/", "-")
-            entry: dict[str, Any] = {"runs": []}
-            res["cells"][cell.name] = entry
-            rate = None
-            if cell.load_factor is not None:
+            entry: dict[str, Any] = res["cells"].setdefault(cell.name, {"runs": []})
+            rate = entry.get("rate_rps")
+            if cell.load_factor is not None and rate is None:
                 cap = capacity(cell)
                 if cap is None:
                     entry["status"] = "failed"
                     entry["error"] = (
                         f"no capacity: the reference's {cell.capacity_cell.name} failed"
                     )
-                    bar.update(repeats * len(systems))
+                    bar.update(sum(1 for t in todo if t[0] == cell))
                     save()
                     continue
                 rate = open_rate(cap, cell.load_factor)
                 entry["rate_rps"] = rate
             for rep, names in enumerate(order):
+                names = [s for s in names if not done(cell, rep, s)]
+                if not names:
+                    continue
                 reqs = build(cell, rate, seed + rep)  # one list: every system the same
                 for system in names:
                     entry["runs"].append(one(system, cell, rep, rate, reqs, folder))
                     save()
-            entry |= summarize_cell(cell, entry["runs"], systems, others)
+            entry |= summarize_cell(cell, entry["runs"], systems, others, repeats)
             if cell.concurrency is not None:
                 rps = [
                     r["figures"]["requests_per_s"]
@@ -638,17 +686,49 @@ def run_matrix(
                 if rps:
                     res["capacity_rps"][cell.name] = statistics.median(rps)
             save()
+    except OutOfBudget:
+        pass
     finally:
         bar.close()
-    save()
+        for name, entry in res["cells"].items():  # what ran, also when stopped
+            if entry.get("runs"):
+                entry |= summarize_cell(
+                    Cell(*name.split("/")), entry["runs"], systems, others, repeats
+                )
+        save()
     report(res, out)
     return res
 
 
+def previous_matrix(out: Path, systems: Sequence[str], seed: int) -> dict[str, Any] | None:
+    """``out/matrix.json`` from an earlier run, to resume (None when there is none);
+    ``ValueError`` when it was run with other systems or another seed, whose runs cannot be
+    paired with new ones."""
+    path = out / "matrix.json"
+    if not path.exists():
+        return None
+    prev: dict[str, Any] = json.loads(path.read_text())
+    if prev.get("simulated") is not False:
+        raise ValueError(f"--resume: {path} is not a live matrix")
+    if list(prev.get("systems") or []) != list(systems):
+        raise ValueError(
+            f"--resume: {path} was run with the systems {prev.get('systems')}, not {list(systems)}"
+        )
+    if prev.get("seed") != seed:
+        raise ValueError(f"--resume: {path} was run with seed {prev.get('seed')}, not {seed}")
+    return prev
+
+
 def summarize_cell(
-    cell: Cell, runs: Sequence[Mapping[str, Any]], systems: Sequence[str], others: Sequence[str]
+    cell: Cell,
+    runs: Sequence[Mapping[str, Any]],
+    systems: Sequence[str],
+    others: Sequence[str],
+    repeats: int | None = None,
 ) -> dict[str, Any]:
-    """A cell's status, each system's median figures, the ratios and the goals."""
+    """A cell's status, each system's median figures, the ratios and the goals. The status
+    is ``failed`` (no repeat paired), ``partial`` (some run failed), ``incomplete`` (fewer
+    runs than ``repeats`` x systems, none failed: a budget stopped it) or ``ok``."""
     failed = [r for r in runs if r.get("figures") is None]
     medians: dict[str, dict[str, float | None]] = {}
     for s in systems:
@@ -660,6 +740,9 @@ def summarize_cell(
     ratios = {s: cell_ratios(runs, s) for s in others}
     paired = max((int(v["throughput"]["n"]) for v in ratios.values()), default=0)
     status = "ok" if not failed else ("partial" if paired else "failed")
+    measured = {(r["repeat"], r["system"]) for r in runs if r.get("figures") is not None}
+    if status == "ok" and repeats is not None and len(measured) < repeats * len(systems):
+        status = "incomplete"
     med = {m: v["median"] for m, v in main_ratios({"ratios": ratios}).items()}
     out: dict[str, Any] = {
         "status": status,
@@ -704,6 +787,20 @@ def report(res: Mapping[str, Any], out: Path) -> list[Path]:
         "",
     ]
     lines += [f"- {k}: {v}" for k, v in (res.get("notes") or {}).items()]
+    measured = [n for n, c in cells.items() if c.get("status") in ("ok", "partial")]
+    lines.append(
+        f"- cells measured in full: {len(measured)} of {len(all_cells())}"
+        + (f"; stopped: {res['stopped']}" if res.get("stopped") else "")
+    )
+    codes = collections.Counter(
+        r.get("code") or "not recorded"
+        for r in [*(res.get("capacity_runs") or []),
+                  *(r for c in cells.values() for r in c.get("runs") or [])]
+    )  # fmt: skip
+    if codes:
+        lines.append(
+            "- code measured (runs): " + ", ".join(f"{k} ({v})" for k, v in codes.most_common())
+        )
     if res.get("capacity_rps"):
         caps = ", ".join(f"{k} {v:.3f}" for k, v in res["capacity_rps"].items())
         lines += ["", f"Capacity (the reference's closed-loop requests/s): {caps}"]
@@ -952,3 +1049,23 @@ def live_runner(model: str, progress: bool = True) -> RunSystem:
         return f
 
     return run
+
+
+def code_version() -> str | None:
+    """The checkout's commit (short), ``+dirty`` when tracked files differ from it; None
+    outside a git checkout. Written into each run's record (``run_matrix``'s ``code``)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(root), "rev-parse", "--short", "HEAD"],
+            capture_output=True, text=True, check=True, timeout=10,
+        ).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True, check=True, timeout=10,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+dirty" if dirty else "") if head else None

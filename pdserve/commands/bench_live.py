@@ -173,6 +173,8 @@ def _bench_matrix(
     repeats: int,
     cells: str | None,
     workload: ReplayWorkload,
+    resume: bool = False,
+    budget_min: float | None = None,
 ) -> None:
     """``bench compare --matrix``: checks every option before anything starts (a bad cell
     or system is a usage error naming it), then :func:`bench.live.matrix.run_matrix` with
@@ -181,7 +183,7 @@ def _bench_matrix(
     import yaml
 
     from bench.live.compare import SYSTEMS, with_preset
-    from bench.live.matrix import REFERENCE, parse_cells
+    from bench.live.matrix import REFERENCE, parse_cells, previous_matrix
 
     try:
         selected = parse_cells(cells)
@@ -211,6 +213,16 @@ def _bench_matrix(
             f"{', '.join(given)}: with --matrix the cells set the workload and the load",
             param_hint="--matrix",
         )
+    if resume:
+        try:
+            previous_matrix(out, names, w.seed)
+        except ValueError as e:
+            raise typer.BadParameter(str(e), param_hint="--resume") from None
+    elif (out / "matrix.json").exists():
+        raise typer.BadParameter(
+            f"{out / 'matrix.json'} exists: --resume to go on with it, or another --out",
+            param_hint="--out",
+        )
     if not config.exists():
         raise typer.BadParameter(f"{config} does not exist", param_hint="--config")
     if preset not in ("test", "bench", "config"):
@@ -221,7 +233,7 @@ def _bench_matrix(
 
     from tokenizers import Tokenizer
 
-    from bench.live.matrix import live_requests, live_runner, run_matrix
+    from bench.live.matrix import code_version, live_requests, live_runner, run_matrix
     from deployments.app import ensure_model
     from deployments.config import load_app_config
 
@@ -253,6 +265,9 @@ def _bench_matrix(
         seed=w.seed,
         notes={"config": str(config), "preset": preset, "cache_pressure": pressure.explain()},
         on_run=said,
+        resume=resume,
+        budget_s=None if budget_min is None else 60 * budget_min,
+        code=code_version(),
     )
     typer.echo((out / "report.md").read_text())
 
@@ -293,6 +308,18 @@ def bench_compare(
         help="With --matrix: cells, comma-separated layout/load/workload ('*' for any part), "
         "e.g. two_prefill/closed8/rag,pair/open0.9/burst (default: all 32).",
     ),
+    resume: bool = typer.Option(
+        False,
+        "--resume",
+        help="With --matrix: go on with OUT/matrix.json, running only what it lacks (the "
+        "whole matrix is about a day of runs: fill it in slices).",
+    ),
+    budget_min: float | None = typer.Option(
+        None,
+        min=0,
+        help="With --matrix: start no run after this many minutes; the report says what is "
+        "left (--resume goes on).",
+    ),
     *,
     workload: ReplayWorkload,
 ) -> None:
@@ -311,8 +338,10 @@ def bench_compare(
     if systems is None:
         systems = ",".join(MATRIX_SYSTEMS if matrix else COMPARE_SYSTEMS)
     if matrix:
-        _bench_matrix(out, config, preset, systems, repeats, cells, workload)
+        _bench_matrix(out, config, preset, systems, repeats, cells, workload, resume, budget_min)
         return
+    if resume or budget_min is not None:
+        raise typer.BadParameter("only with --matrix", param_hint="--resume, --budget-min")
     if workload.trace is not None:
         workload = dataclasses.replace(workload, scenario=None)  # the trace wins
     if not config.exists():

@@ -406,3 +406,106 @@ def test_the_report_says_where_the_time_goes_when_runs_carry_a_breakdown(tmp_pat
     assert rows["pdserve"].startswith("| pair/closed8/rag | pdserve | 2 | 900 | 0 | 700 | - | 40 |")
     assert rows["pdserve"].endswith("| 2.00 |")
     assert "| peer-connector | 2 | 900 | - | - | - | 0 | 0 | 60 |" in rows["peer-connector"]
+
+
+class _Clock:
+    """A stand-in clock that one run advances by ``step`` seconds."""
+
+    def __init__(self, step: float) -> None:
+        self.t = 0.0
+        self.step = step
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_a_budget_stops_the_matrix_and_resume_runs_only_what_it_lacks(tmp_path: Path) -> None:
+    clock = _Clock(step=60.0)
+    ran: list[tuple[str, str, int, tuple[float, ...] | None]] = []
+    cap = {"rps": 2.0}
+    fail_once = {("two_prefill/closed8/rag", "pdserve", 0)}
+
+    def stand_in(system: str, cell: Cell, cfg: dict, reqs: list[LiveRequest],
+                 conc: int | None, out: Path) -> dict[str, Any]:  # fmt: skip
+        rep = sum(1 for r in ran if r[0] == system and r[1] == cell.name)
+        ran.append((system, cell.name, rep, tuple(r.at_s for r in reqs) if conc is None else None))
+        clock.t += clock.step
+        if (cell.name, system, rep) in fail_once:
+            fail_once.clear()
+            raise RuntimeError("head did not start")
+        return _figs(rps=cap["rps"] if system == mx.REFERENCE else 5.0)
+
+    def build(cell: Cell, rate: float | None, seed: int) -> list[LiveRequest]:
+        return mx.workload_requests(cell, rate, seed, limit=6)
+
+    cells = parse_cells("pair/open0.5/rag,two_prefill/closed8/rag")
+    # the capacity run (pair/closed8/rag) and 3 runs fit in 4 minutes: the 5th never starts
+    res = mx.run_matrix(
+        cells, tmp_path, run_system=stand_in, build=build, base=BASE, repeats=1,
+        progress=False, budget_s=240.0, clock=clock, code="abc1234",
+    )  # fmt: skip
+    assert len(ran) == 4 and "budget" in res["stopped"]
+    c = res["cells"]
+    assert c["two_prefill/closed8/rag"]["status"] == "failed"  # pdserve failed: no pair
+    assert c["pair/open0.5/rag"]["status"] == "incomplete"  # pdserve ran, the peer not yet
+    assert c["pair/open0.5/rag"]["rate_rps"] == pytest.approx(1.0)
+    assert all(r["code"] == "abc1234" for r in c["pair/open0.5/rag"]["runs"])
+    md = (tmp_path / "report.md").read_text()
+    assert "cells measured in full: 0 of 32; stopped: budget" in md
+    assert "abc1234 (4)" in md
+
+    # Resume with two repeats: the capacity is not measured again, and a new capacity would
+    # not change the open cell's rate (every repeat keeps the same arrivals' rate); the
+    # failed run runs again; nothing that has figures runs again.
+    cap["rps"] = 8.0
+    first_open_arrival = next(r[3] for r in ran if r[1] == "pair/open0.5/rag")
+    ran.clear()
+    res = mx.run_matrix(
+        parse_cells("pair/open0.5/rag"), tmp_path, run_system=stand_in, build=build,
+        base=BASE, repeats=2, progress=False, resume=True, clock=clock, code="def5678",
+    )  # fmt: skip
+    assert [(s, c_) for s, c_, _, _ in ran] == [
+        (mx.REFERENCE, "pair/open0.5/rag"),  # repeat 1's missing half
+        (mx.REFERENCE, "pair/open0.5/rag"),  # repeat 2: BA
+        ("pdserve", "pair/open0.5/rag"),
+    ]
+    assert ran[0][3] == first_open_arrival  # repeat 1's very arrivals
+    assert ran[1][3] != first_open_arrival  # repeat 2 draws its own
+    c = res["cells"]
+    assert c["pair/open0.5/rag"]["rate_rps"] == pytest.approx(1.0)
+    assert c["pair/open0.5/rag"]["status"] == "ok"
+    assert c["pair/open0.5/rag"]["ratios"]["pdserve"]["throughput"]["n"] == 2
+    # the closed cell, not selected now, stays in the report with what it had; its failed
+    # run was dropped (so that a later resume that selects it runs it again)
+    assert "two_prefill/closed8/rag" in c and len(c["two_prefill/closed8/rag"]["runs"]) == 1
+    assert "stopped" not in res
+    md = (tmp_path / "report.md").read_text()
+    assert "abc1234 (3)" in md and "def5678 (3)" in md
+    ran.clear()
+    res = mx.run_matrix(
+        parse_cells("two_prefill/closed8/rag"), tmp_path, run_system=stand_in, build=build,
+        base=BASE, repeats=1, progress=False, resume=True, clock=clock,
+    )  # fmt: skip
+    assert [(s, c_) for s, c_, _, _ in ran] == [("pdserve", "two_prefill/closed8/rag")]
+    assert res["cells"]["two_prefill/closed8/rag"]["status"] == "ok"
+
+
+def test_resume_refuses_a_matrix_of_other_systems_or_seed(tmp_path: Path) -> None:
+    mx.run_matrix(
+        parse_cells("pair/closed8/rag"), tmp_path, run_system=lambda *a: _figs(),
+        build=lambda c, r, s: [], base=BASE, repeats=1, progress=False, seed=3,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="seed 3, not 4"):
+        mx.previous_matrix(tmp_path, mx.DEFAULT_SYSTEMS, 4)
+    with pytest.raises(ValueError, match="systems"):
+        mx.previous_matrix(tmp_path, ["pdserve-twp", mx.REFERENCE], 3)
+    assert mx.previous_matrix(tmp_path / "none", mx.DEFAULT_SYSTEMS, 3) is None
+    # the CLI: an existing matrix needs --resume (or another folder); --resume needs --matrix
+    r = runner.invoke(app, ["bench", "compare", "--matrix", "--out", str(tmp_path)])
+    assert r.exit_code == 2 and "--resume" in r.output, r.output
+    r = runner.invoke(
+        app, ["bench", "compare", "--matrix", "--resume", "--seed", "4", "--out", str(tmp_path)]
+    )
+    assert r.exit_code == 2 and "seed 3, not 4" in r.output, r.output
+    r = runner.invoke(app, ["bench", "compare", "--resume", "--out", str(tmp_path)])
+    assert r.exit_code == 2 and "only with --matrix" in r.output, r.output
