@@ -170,8 +170,8 @@ SERIES: dict[str, tuple[str, str, tuple[str, ...], list[float] | None]] = {
     ),
     "pdserve_overload_spared": (
         "counter", "Requests admitted past an overload bound because their tenant held less "
-        "than an equal share of the prompts in flight (the flooding tenants got the 503s), "
-        "by tenant.", ("tenant",), None,
+        "than an equal share of the prompts in flight (the flooding tenants got the 503s) or "
+        "their prompts were mostly cached, by tenant.", ("tenant",), None,
     ),
     "pdserve_auth_refused": (
         "counter", "Requests refused before their body was read, by tenant ('-' when no key "

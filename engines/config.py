@@ -55,6 +55,15 @@ class EngineSchedulerConfig(BaseModel):
         "slow engine "
         "(issue 39's quiet tenant: docs/design/matrix_39_causes.md).",
     )
+    step_target_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="Seconds one engine step should take: the step's token budget follows "
+        "the measured seconds per token of the steps that decoded nothing "
+        "(controllers/step_budget.py), at least 64 tokens and at most step_tokens (else the "
+        "engine's budget); None: a fixed budget. The portable form of step_tokens, for "
+        "prefill engines.",
+    )
     colocated_chunking: bool = Field(
         default=True,
         description="Colocated mode: set vLLM's long_prefill_token_threshold to TWP's chunk C "

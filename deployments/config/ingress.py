@@ -125,6 +125,15 @@ class IngressConfig(_Strict):
         "this many times the bound; the others get the 503 (a flood is refused, not the quiet "
         "tenant beside it; controllers/overload.py). 1: everyone is refused at the bound.",
     )
+    overload_spare_reuse: float = Field(
+        default=0.5,
+        ge=0,
+        le=1,
+        description="Past an overload bound, a request with at least this share of its prompt "
+        "tokens cached (by the prefix index) is admitted too, up to overload_spare_factor "
+        "times the bound: it costs the prefill little and Fairway serves it first "
+        "(controllers/overload.py, reused). 0: no request is spared for its reuse.",
+    )
     overload_retry_after_s: int = Field(
         default=1, ge=1, le=3600, description="Retry-After (s) of an overload 503."
     )

@@ -32,7 +32,14 @@ from typing import TYPE_CHECKING
 from fastapi import Request
 
 from cluster.tenants import OPERATOR, Charge, KeyStore, RateLimiter, hash_key
-from controllers.overload import CompletionRate, expected_wait_s, past_ceiling, refuse_for, spared
+from controllers.overload import (
+    CompletionRate,
+    expected_wait_s,
+    past_ceiling,
+    refuse_for,
+    reused,
+    spared,
+)
 from controllers.tenants import Bucket
 from deployments.config import AppConfig
 from deployments.ingress.auth import ANONYMOUS, AuthFailures, Gate, Principal, principal_of
@@ -72,8 +79,10 @@ class AdmissionPhase(IngressState):
         self._inflight_by_tenant: dict[str, int] = {}
         self._inflight_uncached = 0
         self.inflight_peak = 0
-        #: requests admitted past a bound because their tenant was below its share
+        #: requests admitted past a bound because their tenant was below its share or their
+        #: prompts were mostly cached; of them, those spared for their reuse
         self.overload_spared = 0
+        self.overload_spared_reuse = 0
         #: the engines' completions per second (from their reports), for the wait bound
         self._completions = CompletionRate(window_s=20.0)
         #: the engine replicas the rate was measured over
@@ -180,13 +189,24 @@ class AdmissionPhase(IngressState):
         the prefill queue's bounds too and takes a slot (:meth:`admit_prefill`), which in
         colocated mode lasts its whole stream."""
         if where == "decode_local":
-            if self.check_wait(parts[0][0].tenant, len(parts)):
-                self._spared(parts[0][0].tenant)
+            tenant = parts[0][0].tenant
+            cheap = self._reused(parts, [uncached_tokens(p, h) for p, h in parts])
+            if self.check_wait(tenant, len(parts), cheap):
+                self._spared(tenant, cheap)
         else:
             self.admit_prefill(parts)
 
-    def _spared(self, tenant: str) -> None:
+    def _reused(self, parts: list[tuple[Prepared, RouteHint]], uncached: list[int]) -> bool:
+        """Every prompt of the request mostly cached (:func:`controllers.overload.reused`)."""
+        least = self.cfg.ingress.overload_spare_reuse
+        return all(
+            reused(len(prep.ids), n, least) for (prep, _), n in zip(parts, uncached, strict=True)
+        )
+
+    def _spared(self, tenant: str, cheap: bool = False) -> None:
         self.overload_spared += 1
+        if cheap:
+            self.overload_spared_reuse += 1
         self.metrics.inc("pdserve_overload_spared", tenant=tenant)
 
     def admit_prefill(self, parts: list[tuple[Prepared, RouteHint]]) -> None:
@@ -199,11 +219,12 @@ class AdmissionPhase(IngressState):
         flight until their prefill returns (:meth:`run_prefill`); no ``await`` between check
         and count."""
         tenant, add_req = parts[0][0].tenant, len(parts)
-        spared_wait = self.check_wait(tenant, add_req)
         tokens = [uncached_tokens(prep, hint) for prep, hint in parts]
+        cheap = self._reused(parts, tokens)
+        spared_wait = self.check_wait(tenant, add_req, cheap)
         add_tok = sum(tokens)
-        if self._overloaded(add_req, add_tok, tenant) or spared_wait:
-            self._spared(tenant)
+        if self._overloaded(add_req, add_tok, tenant, cheap) or spared_wait:
+            self._spared(tenant, cheap)
         for (prep, _), n in zip(parts, tokens, strict=True):
             prep.run.queued_tokens = n
             self._inflight_by_tenant[prep.tenant] = self._inflight_by_tenant.get(prep.tenant, 0) + 1
@@ -221,15 +242,16 @@ class AdmissionPhase(IngressState):
             else:
                 self._inflight_by_tenant.pop(prep.tenant, None)
 
-    def check_wait(self, tenant: str, adding: int = 1) -> bool:
+    def check_wait(self, tenant: str, adding: int = 1, cheap: bool = False) -> bool:
         """Overload control in seconds (:mod:`controllers.overload`): refuse with 503 and
         ``Retry-After`` when the requests waiting in the engines (queued, not running, from
         the replicas' reports) over the engines' completion rate pass
         ``ingress.max_expected_wait_s``: the time the queue ahead of a new request takes to
         drain. Running requests do not count: below saturation the completion rate is the
         load, not the capacity, and they made a lone client's request read as a long wait.
-        ``tenant`` below its share with ``adding`` more prompts is spared up to
-        ``ingress.overload_spare_factor`` times the bound: then True (admitted past it)."""
+        ``tenant`` below its share with ``adding`` more prompts, or a ``cheap`` request (its
+        prompts mostly cached), is spared up to ``ingress.overload_spare_factor`` times the
+        bound: then True (admitted past it)."""
         bound = self.cfg.ingress.max_expected_wait_s
         if not bound:
             return False
@@ -253,8 +275,8 @@ class AdmissionPhase(IngressState):
             return False
         assert wait is not None
         factor = self.cfg.ingress.overload_spare_factor
-        if not past_ceiling(wait, bound, factor) and spared(
-            tenant, self._inflight_by_tenant, adding
+        if not past_ceiling(wait, bound, factor) and (
+            cheap or spared(tenant, self._inflight_by_tenant, adding)
         ):
             return True
         self.wait_refused += 1
@@ -275,10 +297,11 @@ class AdmissionPhase(IngressState):
             code="overloaded",
         )
 
-    def _overloaded(self, add_req: int, add_tok: int, tenant: str) -> bool:
+    def _overloaded(self, add_req: int, add_tok: int, tenant: str, cheap: bool = False) -> bool:
         """Raise the overload 503 when ``add_req`` more prompts (``add_tok`` uncached tokens)
         would pass a bound (``add_req=0``: when the request bound is already reached), unless
-        ``tenant`` is below its share and the bound's ceiling is not passed: then True."""
+        ``tenant`` is below its share or the request is ``cheap`` (mostly cached), and the
+        bound's ceiling is not passed: then True."""
         ing = self.cfg.ingress
         reports = self.directories["prefill"].snapshot()
         n = max(1, len(reports))
@@ -298,8 +321,8 @@ class AdmissionPhase(IngressState):
             passed.append((what, past_ceiling(tokens + add_tok, cap_tok, factor)))
         if not passed:
             return False
-        if not any(past for _, past in passed) and spared(
-            tenant, self._inflight_by_tenant, max(1, add_req)
+        if not any(past for _, past in passed) and (
+            cheap or spared(tenant, self._inflight_by_tenant, max(1, add_req))
         ):
             return True
         raise self._overload_error(passed[0][0], ing.overload_retry_after_s)

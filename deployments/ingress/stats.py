@@ -191,6 +191,7 @@ async def report(core: IngressCore, reset: bool = False) -> dict[str, Any]:
             "overload_refused": core.overload_refused,
             "wait_refused": core.wait_refused,
             "overload_spared": core.overload_spared,
+            "overload_spared_reuse": core.overload_spared_reuse,
             "expected_wait_s": core.expected_wait_s,
         },
         "deadline_exceeded": core.deadline_exceeded,

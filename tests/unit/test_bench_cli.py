@@ -55,3 +55,14 @@ def test_bench_kv_pressure_refuses_bad_input_before_starting_an_engine(
 def test_bench_kv_pressure_refuses_a_folder_without_a_model(tmp_path: Path) -> None:
     res = runner.invoke(app, ["bench", "kv-pressure", "--model", str(tmp_path)])
     assert res.exit_code == 2 and "--model" in res.output and "config.json" in res.output
+
+
+@pytest.mark.parametrize("steps", ["tokens:8", "target:0", "target:x", "chunks:4", "512"])
+def test_bench_tenant_flood_refuses_a_bad_step_cap_before_starting_an_engine(
+    steps: str, tmp_path: Path
+) -> None:
+    res = runner.invoke(
+        app, ["bench", "tenant-flood", "--model", str(tmp_path), "--steps", f"tokens:512,{steps}"]
+    )
+    assert res.exit_code == 2, res.output
+    assert "--steps" in res.output and steps in res.output

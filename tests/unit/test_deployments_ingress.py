@@ -853,6 +853,76 @@ def test_over_the_queue_bound_the_flooding_tenant_is_refused_and_the_quiet_one_a
     assert out == {"flood": 503, "quiet": 503, "held": [200] * 3}, out
 
 
+def test_past_the_token_bound_a_mostly_cached_prompt_is_admitted_and_an_uncached_one_refused(
+    tiny_model_dir: Path,
+) -> None:
+    """One tenant alone (never below its share) and a stuck prefill holding 45 uncached
+    tokens, past the bound of 40: a 20-token prompt the index shows cached but for 2 tokens
+    is admitted (spared for its reuse, counted), the same prompt uncached gets the 503, and
+    with ``overload_spare_reuse: 0`` so does the cached one. Issue 39's cache_pressure cell:
+    the bound refused repeats of served documents, the requests that waited least."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import httpx
+
+    held = {"tokens": 0}
+
+    async def match(hashes: Any) -> Any:
+        """The prefix index's answer, stood in: every prompt's first tokens on r0."""
+        return SimpleNamespace(by_replica={"r0": held["tokens"]})
+
+    def wire(reuse: float) -> Any:
+        client, pre, _ = _wire(
+            tiny_model_dir,
+            {
+                "ingress": {
+                    "api_keys": {"ka": "alice"},
+                    "max_queued_uncached_tokens_per_replica": 40,
+                    "overload_spare_reuse": reuse,
+                },
+                "index": {"backend": "memory"},  # prompts get block hashes to look up
+            },
+            app_name=f"reuse-unit-{reuse:g}",
+        )
+        client.core.index.match = match
+        return client, pre
+
+    async def run(client: Any, pre: Any) -> dict[str, int]:
+        pre.gate = asyncio.Event()
+        out: dict[str, int] = {}
+        transport = httpx.ASGITransport(app=client.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+
+            async def one(tokens: int) -> httpx.Response:
+                body = {"model": "test", "prompt": [7] * tokens, "max_tokens": 2}
+                return await c.post("/v1/completions", json=body, headers=auth())
+
+            first = asyncio.create_task(one(45))  # admitted: nothing was queued
+            while not pre.seen:
+                assert not first.done(), (await first).text
+                await asyncio.sleep(0.01)
+            held["tokens"] = 18  # 2 of 20 tokens left to compute
+            cached = asyncio.create_task(one(20))
+            await asyncio.sleep(0.2)
+            held["tokens"] = 0
+            out["uncached"] = (await one(20)).status_code
+            pre.gate.set()
+            out["first"] = (await first).status_code
+            out["cached"] = (await cached).status_code
+            pre.gate = None
+        return out
+
+    client, pre = wire(0.5)
+    assert asyncio.run(run(client, pre)) == {"uncached": 503, "first": 200, "cached": 200}
+    q = client.get("/v1/pdserve/stats", headers=OP).json()["ingress"]["prefill_queue"]
+    assert q["overload_spared"] == 1 and q["overload_spared_reuse"] == 1
+    assert q["overload_refused"] == 1
+
+    client, pre = wire(0.0)
+    assert asyncio.run(run(client, pre)) == {"uncached": 503, "first": 200, "cached": 503}
+
+
 def test_routing_user_config_applies_live_and_bad_values_keep_the_old(tiny_model_dir: Path) -> None:
     """The ingress's ``user_config``: routing parameters reach the routers of its app (the
     registry they read before each decision); a bad value, or one that needs a redeploy,

@@ -9,6 +9,7 @@ from controllers.overload import (
     expected_wait_s,
     past_ceiling,
     refuse_for,
+    reused,
     spared,
 )
 
@@ -76,3 +77,14 @@ def test_past_a_bound_the_tenant_below_its_share_is_spared() -> None:
     # the ceiling: spared up to the factor times the bound, never past it; 1 spares nobody
     assert not past_ceiling(60.0, 30.0, 2.0) and past_ceiling(60.5, 30.0, 2.0)
     assert past_ceiling(31.0, 30.0, 1.0)
+
+
+def test_past_a_bound_a_mostly_cached_prompt_is_spared() -> None:
+    """The docstring's worked examples (issue 39's cache_pressure cell: 1,536 of 1,632 tokens
+    cached for a repeated document), the threshold itself, and 0 turning it off."""
+    assert reused(1632, 96, 0.5)  # 0.94 cached
+    assert not reused(1632, 832, 0.5)  # 800 of 1,632 cached: 0.49
+    assert reused(1000, 500, 0.5) and not reused(1000, 501, 0.5)
+    assert not reused(1632, 0, 0.0)  # off: nobody is spared for reuse
+    assert not reused(0, 0, 0.5)  # an empty prompt has nothing cached
+    assert reused(100, -5, 1.0)  # a stale count below zero is all cached, not more

@@ -308,3 +308,23 @@ def test_step_tokens_bounds_each_steps_schedule_and_is_undone_by_reconfiguring(
         biggest[cap] = max(r.scheduled_tokens for r in sched.records)
         sched.records.clear()
     assert biggest[128] <= 128 < biggest[None] <= 512, biggest
+
+
+def test_a_step_time_target_sets_the_budget_from_the_measured_steps(pd_engine: PdEngine) -> None:
+    """``step_target_s`` turns a step's duration into its token budget: a target far below
+    any step's time takes the budget to its floor (64 tokens) after the first measured step,
+    and later steps schedule no more; a target far above keeps the engine's budget (512).
+    The budget shows in the published state."""
+    rng = random.Random(12)
+    for target, budget in ((1e-6, 64), (1e6, 512)):
+        sched = pd_engine.configure(prefill_policy="fairway", step_target_s=target)
+        assert sched.max_num_scheduled_tokens == 512  # the ceiling until a step is measured
+        for i in range(4):
+            pd_engine.add(f"t{target}-{i}", _tokens(rng, 384), max_tokens=1)
+        pd_engine.drain()
+        assert sched.max_num_scheduled_tokens == budget
+        assert sched.state()["step_tokens"] == budget
+        later = [r.scheduled_tokens for r in list(sched.records)[1:]]
+        assert later and max(later) <= budget, later
+        sched.records.clear()
+    pd_engine.configure(prefill_policy="fcfs")
