@@ -695,6 +695,8 @@ def run_matrix(
                 entry |= summarize_cell(
                     Cell(*name.split("/")), entry["runs"], systems, others, repeats
                 )
+            elif "status" not in entry:
+                entry["status"] = "not run"
         save()
     report(res, out)
     return res
@@ -787,9 +789,9 @@ def report(res: Mapping[str, Any], out: Path) -> list[Path]:
         "",
     ]
     lines += [f"- {k}: {v}" for k, v in (res.get("notes") or {}).items()]
-    measured = [n for n, c in cells.items() if c.get("status") in ("ok", "partial")]
+    measured = [n for n, c in cells.items() if c.get("status") == "ok"]
     lines.append(
-        f"- cells measured in full: {len(measured)} of {len(all_cells())}"
+        f"- cells with every run done: {len(measured)} of {len(all_cells())}"
         + (f"; stopped: {res['stopped']}" if res.get("stopped") else "")
     )
     codes = collections.Counter(

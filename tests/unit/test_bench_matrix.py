@@ -451,7 +451,7 @@ def test_a_budget_stops_the_matrix_and_resume_runs_only_what_it_lacks(tmp_path: 
     assert c["pair/open0.5/rag"]["rate_rps"] == pytest.approx(1.0)
     assert all(r["code"] == "abc1234" for r in c["pair/open0.5/rag"]["runs"])
     md = (tmp_path / "report.md").read_text()
-    assert "cells measured in full: 0 of 32; stopped: budget" in md
+    assert "cells with every run done: 0 of 32; stopped: budget" in md
     assert "abc1234 (4)" in md
 
     # Resume with two repeats: the capacity is not measured again, and a new capacity would
