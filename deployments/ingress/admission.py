@@ -189,10 +189,10 @@ class AdmissionPhase(IngressState):
         the prefill queue's bounds too and takes a slot (:meth:`admit_prefill`), which in
         colocated mode lasts its whole stream."""
         if where == "decode_local":
-            tenant = parts[0][0].tenant
-            cheap = self._reused(parts, [uncached_tokens(p, h) for p, h in parts])
-            if self.check_wait(tenant, len(parts), cheap):
-                self._spared(tenant, cheap)
+            # not spared for reuse: the index knows the prefill replicas' caches, not the
+            # decode replica's, where this prompt is computed whole
+            if self.check_wait(parts[0][0].tenant, len(parts)):
+                self._spared(parts[0][0].tenant)
         else:
             self.admit_prefill(parts)
 
