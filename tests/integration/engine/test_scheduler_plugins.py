@@ -260,6 +260,33 @@ def test_fair_share_lets_a_light_tenant_through_a_flood(pd_engine: PdEngine) -> 
     assert ahead[True] <= 3, ahead
 
 
+def test_a_floods_running_chunks_yield_to_a_lighter_tenants_request(pd_engine: PdEngine) -> None:
+    """vLLM runs every running request before any waiting one. Tenant A's 1,536-token prompt
+    runs in chunks of 128 (``step_tokens``), 12 steps; after two of them tenant B sends 64
+    tokens. With the fair share's turns for running chunks (the default), A's chunk sits a
+    step out and B's first token comes before A's; with them off, vLLM's running order, B
+    waits for A's last chunk."""
+    rng = random.Random(13)
+    b_first: dict[bool, bool] = {}
+    for turns in (True, False):
+        sched = pd_engine.configure(
+            prefill_policy="fairway", fair_share=True, fair_share_chunks=turns, step_tokens=128
+        )
+        a, b = f"a-{turns}", f"b-{turns}"
+        pd_engine.add(a, _tokens(rng, 1536), max_tokens=1, cache_salt="A")
+        run = Run()
+        for _ in range(2):
+            assert not pd_engine.step()
+        pd_engine.add(b, _tokens(rng, 64), max_tokens=1, cache_salt="B")
+        pd_engine.drain(run)
+        b_first[turns] = run.first_token_ts(b) < run.first_token_ts(a)
+        assert (sched.state()["chunk_turns"] > 0) is turns
+        assert max(r.scheduled_tokens for r in sched.records) <= 128
+        sched.records.clear()
+    assert b_first == {True: True, False: False}
+    pd_engine.configure(prefill_policy="fcfs")
+
+
 def test_the_replicas_engine_calls_read_and_change_the_live_plugin(pd_engine: PdEngine) -> None:
     """engines.engine_rpc, the one way a replica reaches its scheduler under either runtime,
     on the real plug-in: the report carries the load and the policy's state; an admission
