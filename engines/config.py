@@ -42,7 +42,7 @@ class EngineSchedulerConfig(BaseModel):
         description="With fair_share: running prefill chunks are in the share too (vLLM runs "
         "every running request before any waiting one, so a flood's prompts in progress "
         "would take each step ahead of a lighter tenant's waiting request): they go least "
-        "served tenant first, and a tenant served more than one with a waiting request sits "
+        "served tenant first, and a tenant served more than a tenant with a waiting request sits "
         "the step out (controllers.prefill.fairshare.chunk_turns); off: vLLM's running order.",
     )
     fairway: FairwayConfig = Field(

@@ -109,6 +109,16 @@ class StepRecord:
 
 
 @dataclass(slots=True)
+class _Turns:
+    """One ``schedule()`` call's turns for running chunks (:meth:`_take_turns`): ``running``
+    as it was, the chunks taken out of it, and the waiting request they sat out for."""
+
+    before: list[Any]
+    sat: list[Any]
+    first: str | None
+
+
+@dataclass(slots=True)
 class _ReqInfo:
     arrival_s: float
     patience_s: float
@@ -136,7 +146,8 @@ class PdserveSchedulerMixin:
     policy: Any
     block_size: int
     max_num_scheduled_tokens: int
-    max_num_running_reqs: int
+    max_num_active_reqs: int
+    num_waiting_for_streaming_input: int
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -217,8 +228,9 @@ class PdserveSchedulerMixin:
         self._lanes = {"fast": 0, "fair": 0}
         self._queued_uncached = 0
         self._cached: dict[str, int] = {}
-        self._chunk_turns_taken = 0
-        self._sat_idle = False
+        self._chunk_reorders = 0
+        self._chunk_sit_outs = 0
+        self._sat_failed: str | None = None
         self._token_load = 0
         self.last_state: dict[str, Any] = {}
         #: request id -> its Fairway lane and rank in the last plan while it waited
@@ -282,21 +294,24 @@ class PdserveSchedulerMixin:
         t0 = self.clock()
         n_waiting = len(self.waiting)
         held = self._before_schedule(t0) if n_waiting else []
-        turns = self._take_turns(held) if self._chunk_turns is not None and self.running else None
-        t1 = self.clock()
+        turns: _Turns | None = None
         try:
+            if self._chunk_turns is not None and self.running:
+                turns = self._take_turns(held)
+            t1 = self.clock()
             out = super().schedule(*args, **kwargs)  # type: ignore[misc]
         finally:
             if held:
                 self.waiting.extend(held)
             if turns is not None:
-                self._end_turns(*turns)
+                self._end_turns(turns)
         t2 = self.clock()
         if out.scheduled_new_reqs:
             self._record_admissions(out.scheduled_new_reqs, n_waiting)
-        # a step whose sit-out admitted nobody (a waiting request vLLM skipped for a reason
-        # the check cannot see): the next step takes no sit-out, so none can idle twice
-        self._sat_idle = bool(turns and turns[1]) and not out.scheduled_new_reqs
+        if turns is not None and turns.first is not None:
+            # the request a sit-out was for, not scheduled (vLLM skipped it for a reason the
+            # check cannot see): no sit-out for it again, so a step cannot idle on it twice
+            self._sat_failed = None if turns.first in out.num_scheduled_tokens else turns.first
         if self._observe_step is not None:
             # Stateful prefill policies (k-LPM's turns, fairway_xstep's allowances) learn
             # what this step actually scheduled, as the simulator tells them.
@@ -420,33 +435,32 @@ class PdserveSchedulerMixin:
             self.waiting.extend(admitted)
         return held
 
-    def _take_turns(self, held: list[Any]) -> tuple[list[Any], list[Any]] | None:
+    def _take_turns(self, held: list[Any]) -> _Turns | None:
         """The fair share's turns for running prefill chunks, for this ``schedule()`` call
         (:func:`controllers.prefill.fairshare.chunk_turns`): ``self.running`` becomes the
         other running requests (decodes) in their order, then the chunks that go, in turn
-        order; the chunks of tenants whose turn is later leave it, and their waiting requests
-        join ``held``. A tenant sits out only if the first waiting request left can start
-        (KV blocks for its first chunk, a running slot), else the step would idle, and not
-        right after a sit-out that admitted nobody. Returns
-        what :meth:`_end_turns` needs to put ``running`` back, or None when nothing moved."""
+        order; the chunks of tenants whose turn is later leave it, the waiting requests that
+        sit out join ``held``, and vLLM's admission limit is lowered by the chunks taken out
+        (they keep their slots). A tenant sits out only if the first waiting request left
+        can start (:meth:`_can_start`), else the step would idle. Returns what
+        :meth:`_end_turns` needs, or None when nothing moved."""
         assert self._chunk_turns is not None
         chunks = [r for r in self.running if r.is_prefill_chunk]
         if not chunks:
             return None
-        turns = self._chunk_turns(
-            [r.request_id for r in chunks], [r.request_id for r in self.waiting]
-        )
+        ids = [r.request_id for r in chunks]
+        turns = self._chunk_turns(ids, [r.request_id for r in self.waiting])
         sat = [r for r in chunks if r.request_id in turns.sit_out]
-        if sat and (
-            self._sat_idle or not self._can_start_after(turns.sit_out, len(self.running) - len(sat))
-        ):
-            turns = self._chunk_turns([r.request_id for r in chunks], [])  # order only
+        first = self._can_start(turns.sit_out) if sat else None
+        if sat and first is None:
+            turns = self._chunk_turns(ids, [])  # the order only
             sat = []
         by_id = {r.request_id: r for r in chunks}
-        going = [by_id[rid] for rid in turns.order]
         before = list(self.running)
-        others = [r for r in before if not r.is_prefill_chunk]
-        now = [*others, *going]
+        now = [
+            *(r for r in before if not r.is_prefill_chunk),
+            *(by_id[rid] for rid in turns.order),
+        ]
         if not sat and now == before:
             return None
         if sat:
@@ -454,35 +468,44 @@ class PdserveSchedulerMixin:
             held.extend(r for r in self.waiting if r.request_id in turns.sit_out)
             self.waiting.clear()
             self.waiting.extend(stay)
+            self.max_num_active_reqs -= len(sat)
+            self._chunk_sit_outs += 1
+        else:
+            self._chunk_reorders += 1
         self.running = now
-        self._chunk_turns_taken += 1
-        return before, sat
+        return _Turns(before, sat, first)
 
-    def _can_start_after(self, sit_out: frozenset[str], running: int) -> bool:
-        """Whether the first waiting request outside ``sit_out`` can start this step: a
-        running slot, and free KV blocks (evictable cached ones count) for its first chunk."""
-        if running >= self.max_num_running_reqs:
-            return False
+    def _can_start(self, sit_out: frozenset[str]) -> str | None:
+        """The id of the first waiting request outside ``sit_out`` if it can start this
+        step, else None: a free slot (vLLM's count: running and paused streams against
+        ``max_num_active_reqs``, the chunks that sit out still holding theirs), free KV blocks
+        (evictable cached ones count) for its first chunk, and not the request a sit-out
+        was already taken for without vLLM scheduling it."""
+        if len(self.running) + self.num_waiting_for_streaming_input >= self.max_num_active_reqs:
+            return None
         first = next((r for r in self.waiting if r.request_id not in sit_out), None)
-        if first is None:
-            return False
+        if first is None or first.request_id == self._sat_failed:
+            return None
         cached = self._cached.get(first.request_id, 0)
         tokens = min(self.max_num_scheduled_tokens, max(1, first.num_tokens - cached))
-        free = self.kv_cache_manager.block_pool.get_num_free_blocks()
-        return free * self.block_size >= tokens
+        blocks = -(-tokens // self.block_size)
+        if self.kv_cache_manager.block_pool.get_num_free_blocks() < blocks:
+            return None
+        return str(first.request_id)
 
-    def _end_turns(self, before: list[Any], sat: list[Any]) -> None:
+    def _end_turns(self, turns: _Turns) -> None:
         """``running`` after ``schedule()``: vLLM's order from before the turns (less what
-        it preempted or finished), the chunks that sat out among them, then what it
-        admitted."""
+        it preempted), the chunks that sat out among them, then what it admitted; vLLM's
+        admission limit as it was."""
         now = self.running
         kept = {id(r) for r in now}
-        sat_ids = {id(r) for r in sat}
-        was = {id(r) for r in before}
+        sat_ids = {id(r) for r in turns.sat}
+        was = {id(r) for r in turns.before}
         self.running = [
-            *(r for r in before if id(r) in kept or id(r) in sat_ids),
+            *(r for r in turns.before if id(r) in kept or id(r) in sat_ids),
             *(r for r in now if id(r) not in was),
         ]
+        self.max_num_active_reqs += len(turns.sat)
 
     def _collect(self, waiting: list[Any], now_mono: float) -> dict[str, int]:
         info = self._info
@@ -646,7 +669,8 @@ class PdserveSchedulerMixin:
             "kv_usage": float(self.kv_cache_manager.usage),
             "free_blocks": int(self.kv_cache_manager.block_pool.get_num_free_blocks()),
             "step_tokens": int(self.max_num_scheduled_tokens),
-            "chunk_turns": self._chunk_turns_taken,
+            "chunk_reorders": self._chunk_reorders,
+            "chunk_sit_outs": self._chunk_sit_outs,
         }
 
     def _publish(self, rec: StepRecord) -> None:

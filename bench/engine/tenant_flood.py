@@ -143,11 +143,11 @@ def run_engine_flood(
         ]
         for kind, value in steps:
             what = f"{int(value)} tokens" if kind == "tokens" else f"{value:g} s"
-            cap_ = (kind, value)
-            runs.append((f"A + B (fair_share, step {what})", "fairway", True, both, cap_, True))
+            capped = (kind, value)
+            runs.append((f"A + B (fair_share, step {what})", "fairway", True, both, capped, True))
             if vllm_running_order:
                 name = f"A + B (fair_share, step {what}, vLLM running order)"
-                runs.append((name, "fairway", True, both, cap_, False))
+                runs.append((name, "fairway", True, both, capped, False))
         rows = []
         ttfts: dict[str, list[float]] = {}
         bar = tqdm(

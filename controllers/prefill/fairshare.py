@@ -57,11 +57,13 @@ def tenant_key(tenant: str) -> str:
 
 @dataclass
 class FairShareState:
-    """Tokens served per tenant, the tenants backlogged at the last ``order``, and which
-    tenant each recently queued request belongs to (to charge ``observe_step``'s tokens)."""
+    """Tokens served per tenant, the tenants backlogged at the last ``order``, the tenants
+    with prompts running in chunks at the last ``chunk_turns``, and which tenant each
+    recently queued request belongs to (to charge ``observe_step``'s tokens)."""
 
     served: dict[str, float] = field(default_factory=dict)
     backlogged: frozenset[str] = frozenset()
+    running: frozenset[str] = frozenset()
     owner: dict[str, str] = field(default_factory=dict)
 
 
@@ -84,17 +86,26 @@ def chunk_turns(
 
     ``running``: ``(request id, tenant)`` of each running prefill chunk, in vLLM's running
     order; ``waiting``: the same for the waiting requests (tenants as fair-share keys). A
-    running chunk goes before another whose tenant was served more. A tenant sits the step
-    out, its running chunks and its waiting requests, when it has a running chunk and some
-    tenant with a waiting request was served less (that tenant's turn comes first, and vLLM
-    would give the budget to every running chunk before any waiting request). Equal
-    ``served`` never sits out, so tenants at par share steps as vLLM orders them."""
+    running chunk goes before another whose tenant was served more. A tenant with a running
+    chunk is *late* when some tenant with a waiting request was served less: that tenant's
+    turn comes first, and vLLM would give the budget to every running chunk before any
+    waiting request. The late tenants sit the step out, their running chunks and their
+    waiting requests, and so does every waiting request of a tenant served at least as much
+    as the least served late one (its turn is after the late tenant's, so it must not take
+    the step the late tenant gave up). Equal ``served`` never makes a tenant late, so
+    tenants at par share steps as vLLM orders them."""
     least_waiting = min((served.get(t, 0.0) for _, t in waiting), default=math.inf)
     late = {t for _, t in running if served.get(t, 0.0) > least_waiting}
     going = sorted(
         (r for r in running if r[1] not in late), key=lambda r: served.get(r[1], 0.0)
     )  # a stable sort: ties keep vLLM's order
-    sit_out = frozenset(rid for rid, t in (*running, *waiting) if t in late)
+    if not late:
+        return ChunkTurns(tuple(rid for rid, _ in going), frozenset())
+    after = min(served.get(t, 0.0) for t in late)
+    sit_out = frozenset(
+        [rid for rid, t in running if t in late]
+        + [rid for rid, t in waiting if t in late or served.get(t, 0.0) >= after]
+    )
     return ChunkTurns(tuple(rid for rid, _ in going), sit_out)
 
 
@@ -143,8 +154,10 @@ class TenantFairShare:
         """Tenants newly backlogged start at the least ``served`` of those that stayed;
         returns the newcomers."""
         st = self.state
-        stayed = now_backlogged & st.backlogged
-        joined = now_backlogged - st.backlogged
+        # a tenant whose prompts were running in chunks stayed in service (chunk_turns saw it)
+        # even with nothing waiting: a newcomer is floored against it too
+        stayed = (now_backlogged & st.backlogged) | st.running
+        joined = now_backlogged - st.backlogged - st.running
         if stayed:
             floor = min(st.served.get(t, 0.0) for t in stayed) - self.burst_credit_tokens
             for t in joined:
@@ -156,12 +169,16 @@ class TenantFairShare:
         """:func:`chunk_turns` on this share's ``served``, from request ids (the running
         prefill chunks in vLLM's order, the waiting requests), each request's tenant as
         :meth:`order` saw it (one it never saw counts as tenant ``""``)."""
-        owner = self.state.owner
-        return chunk_turns(
-            self.state.served,
-            [(rid, owner.get(rid, "")) for rid in running],
-            [(rid, owner.get(rid, "")) for rid in waiting],
-        )
+        st = self.state
+        owner = st.owner
+        ran = []
+        for rid in running:  # each made newest again, so pruning keeps one still in service
+            t = owner.pop(rid, None)
+            if t is not None:
+                owner[rid] = t
+            ran.append((rid, t or ""))
+        st.running = frozenset(t for _, t in ran)
+        return chunk_turns(st.served, ran, [(rid, owner.get(rid, "")) for rid in waiting])
 
     def observe_step(self, scheduled: Sequence[tuple[str, int]], now: float) -> None:
         """Charge each tenant the tokens the engine computed for it this step."""

@@ -145,3 +145,22 @@ def test_the_share_takes_turns_from_the_tenants_its_order_saw() -> None:
     assert turns.order == () and turns.sit_out == {"a1", "a2"}
     fs.observe_step([("b1", 300)], now=3.0)
     assert fs.chunk_turns(["a1", "b1"], []).order == ("b1", "a1")
+
+
+def test_a_waiting_tenant_whose_turn_is_after_the_late_one_does_not_take_its_step() -> None:
+    """A sits out for B; D (no chunk, served more than A) must not take the step A gave up,
+    E (served between B and A) may, as its turn comes before A's."""
+    served = {"A": 5000.0, "B": 1000.0, "D": 6000.0, "E": 3000.0}
+    turns = chunk_turns(served, [("a1", "A")], [("b1", "B"), ("d1", "D"), ("e1", "E")])
+    assert turns.order == () and turns.sit_out == {"a1", "d1"}
+
+
+def test_a_newcomer_is_floored_against_a_tenant_with_prompts_running_in_chunks() -> None:
+    """A's prompts are all running (none waiting) when B, never served, arrives: B starts
+    at A's served less the credit, not at 0, so A sits out for at most the credit."""
+    fs = TenantFairShare(FCFS(), burst_credit_tokens=1000)
+    fs.order(q(req("a1", "A", 0.0, 50_000)), now=0.0)
+    fs.observe_step([("a1", 20_000)], now=1.0)
+    fs.chunk_turns(["a1"], [])  # a1 runs in chunks; nothing waits
+    fs.order(q(req("b1", "B", 2.0, 100)), now=2.0)
+    assert fs.state.served["B"] == 20_000 - 1000

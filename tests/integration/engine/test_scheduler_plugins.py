@@ -280,10 +280,42 @@ def test_a_floods_running_chunks_yield_to_a_lighter_tenants_request(pd_engine: P
         pd_engine.add(b, _tokens(rng, 64), max_tokens=1, cache_salt="B")
         pd_engine.drain(run)
         b_first[turns] = run.first_token_ts(b) < run.first_token_ts(a)
-        assert (sched.state()["chunk_turns"] > 0) is turns
+        assert (sched.state()["chunk_sit_outs"] > 0) is turns
         assert max(r.scheduled_tokens for r in sched.records) <= 128
         sched.records.clear()
     assert b_first == {True: True, False: False}
+    pd_engine.configure(prefill_policy="fcfs")
+
+
+def test_chunks_that_would_sit_out_keep_their_slots(pd_engine: PdEngine) -> None:
+    """Every running slot (``max_num_seqs`` 32 here) is taken, 31 of tenant A's requests
+    decoding and A's 1,536-token prompt in chunks, when tenant B's request arrives. A chunk
+    taken out of vLLM's running list still holds its slot, so nothing sits out until a slot
+    is free: vLLM's running list never holds more than 32 (vLLM asserts it, and its engine
+    would stop), and B's request is served."""
+    rng = random.Random(14)
+    sched = pd_engine.configure(prefill_policy="fairway", fair_share=True, step_tokens=64)
+    slots = sched.max_num_running_reqs
+    for i in range(slots - 1):
+        pd_engine.add(f"full-d{i}", _tokens(rng, 8), max_tokens=64, cache_salt="A")
+    for _ in range(20):  # a few prompts a step at 64 tokens, beside the decodes
+        if len(sched.running) == slots - 1 and not sched.waiting:
+            break
+        assert not pd_engine.step()
+    assert len(sched.running) == slots - 1
+    pd_engine.add("full-a", _tokens(rng, 1536), max_tokens=1, cache_salt="A")
+    for _ in range(2):
+        pd_engine.step()
+    assert len(sched.running) == slots
+    # longer than what the decodes leave of a step, so it would stay running past one step
+    pd_engine.add("full-b", _tokens(rng, 200), max_tokens=1, cache_salt="B")
+    run = Run()
+    most = 0
+    while pd_engine.llm.llm_engine.has_unfinished_requests():
+        for o in pd_engine.step():
+            run.outputs[o.request_id] = o
+        most = max(most, len(sched.running))
+    assert most <= slots and "full-b" in run.outputs
     pd_engine.configure(prefill_policy="fcfs")
 
 
