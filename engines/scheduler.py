@@ -296,7 +296,7 @@ class PdserveSchedulerMixin:
         held = self._before_schedule(t0) if n_waiting else []
         turns: _Turns | None = None
         try:
-            if self._chunk_turns is not None and self.running:
+            if self._chunk_turns is not None:
                 turns = self._take_turns(held)
             t1 = self.clock()
             out = super().schedule(*args, **kwargs)  # type: ignore[misc]
@@ -447,6 +447,7 @@ class PdserveSchedulerMixin:
         assert self._chunk_turns is not None
         chunks = [r for r in self.running if r.is_prefill_chunk]
         if not chunks:
+            self._chunk_turns([], [])  # the share learns that no prompt is running now
             return None
         ids = [r.request_id for r in chunks]
         turns = self._chunk_turns(ids, [r.request_id for r in self.waiting])

@@ -36,7 +36,8 @@ the papers are silent:
   requests (so the budget goes to the tenant whose turn it is, not to a new request of the
   tenant that yielded).
 
-State is explicit (``served``, ``backlogged``); ``order`` changes only the backlog bookkeeping.
+State is explicit (``served``, ``backlogged``, ``running``); ``order`` changes only the backlog
+bookkeeping, ``chunk_turns`` only ``running``.
 """
 
 from __future__ import annotations

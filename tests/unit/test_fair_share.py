@@ -164,3 +164,15 @@ def test_a_newcomer_is_floored_against_a_tenant_with_prompts_running_in_chunks()
     fs.chunk_turns(["a1"], [])  # a1 runs in chunks; nothing waits
     fs.order(q(req("b1", "B", 2.0, 100)), now=2.0)
     assert fs.state.served["B"] == 20_000 - 1000
+
+
+def test_a_tenant_whose_prompts_finished_no_longer_floors_a_newcomer() -> None:
+    """``running`` is what the last ``chunk_turns`` saw: once A's chunks are done (the
+    mechanism reports no running chunk), a newcomer is not floored against A."""
+    fs = TenantFairShare(FCFS(), burst_credit_tokens=1000)
+    fs.order(q(req("a1", "A", 0.0, 50_000)), now=0.0)
+    fs.observe_step([("a1", 20_000)], now=1.0)
+    fs.chunk_turns(["a1"], [])
+    fs.chunk_turns([], [])  # a1 finished
+    fs.order(q(req("b1", "B", 2.0, 100)), now=2.0)
+    assert fs.state.served.get("B", 0.0) == 0.0
