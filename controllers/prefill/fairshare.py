@@ -22,6 +22,13 @@ the papers are silent:
   light one leaves). ``burst_credit_tokens=0`` is plain SFQ. Ties go to the tenant that just
   joined (the others' next request starts after the one they have in service, as SFQ's start
   tags have it);
+- a tenant this share has never served has no ``served`` of its own to floor it: it starts
+  at that floor, below 0 when the others have been served less than the credit. Floored at 0
+  instead (as before), a light tenant arriving in the first minute of an engine, while a
+  flood had been served fewer tokens than the credit, got no credit at all and was served
+  at half speed, as under plain SFQ: its start-up was its worst latency. Tenants are
+  authenticated keys (a cache salt folds into its tenant), so a client cannot mint new
+  tenants to earn credits;
 - a tenant is the request's ``tenant`` up to the first ``:`` (the ingress's cache namespace:
   the tenant, or its cache group, then the request's own ``cache_salt``); tenants sharing a
   cache group share a share;
@@ -161,8 +168,8 @@ class TenantFairShare:
         joined = now_backlogged - st.backlogged - st.running
         if stayed:
             floor = min(st.served.get(t, 0.0) for t in stayed) - self.burst_credit_tokens
-            for t in joined:
-                st.served[t] = max(st.served.get(t, 0.0), floor)
+            for t in joined:  # one never served starts at the floor (module docstring)
+                st.served[t] = max(st.served[t], floor) if t in st.served else floor
         st.backlogged = now_backlogged
         return joined
 
