@@ -24,11 +24,14 @@ the papers are silent:
   tags have it);
 - a tenant this share has never served has no ``served`` of its own to floor it: it starts
   at that floor, below 0 when the others have been served less than the credit. Floored at 0
-  instead (as before), a light tenant arriving in the first minute of an engine, while a
-  flood had been served fewer tokens than the credit, got no credit at all and was served
-  at half speed, as under plain SFQ: its start-up was its worst latency. Tenants are
-  authenticated keys (a cache salt folds into its tenant), so a client cannot mint new
-  tenants to earn credits;
+  instead (as before), its credit was only what the others had been served, so a light
+  tenant arriving in an engine's first minute here (a new replica's, or every bench run's)
+  got a fraction of it and then alternated with the flood. The credit goes to whichever
+  tenant joins while another is in service: usually the light one (a flood is nearly always
+  in service already), but a flood that reaches an engine just after a light tenant's first
+  request gets it too, once per engine, bounded like any credit. Tenants are authenticated
+  keys (a cache salt folds into its tenant), so a client cannot mint tenants to earn
+  credits;
 - a tenant is the request's ``tenant`` up to the first ``:`` (the ingress's cache namespace:
   the tenant, or its cache group, then the request's own ``cache_salt``); tenants sharing a
   cache group share a share;
