@@ -22,16 +22,15 @@ the papers are silent:
   light one leaves). ``burst_credit_tokens=0`` is plain SFQ. Ties go to the tenant that just
   joined (the others' next request starts after the one they have in service, as SFQ's start
   tags have it);
-- a tenant this share has never served has no ``served`` of its own to floor it: it starts
-  at that floor, below 0 when the others have been served less than the credit. Floored at 0
-  instead (as before), its credit was only what the others had been served, so a light
-  tenant arriving in an engine's first minute here (a new replica's, or every bench run's)
-  got a fraction of it and then alternated with the flood. The credit goes to whichever
-  tenant joins while another is in service: usually the light one (a flood is nearly always
-  in service already), but a flood that reaches an engine just after a light tenant's first
-  request gets it too, once per engine, bounded like any credit. Tenants are authenticated
-  keys (a cache salt folds into its tenant), so a client cannot mint tenants to earn
-  credits;
+- a tenant this share has never served counts as served 0, so its credit is at most what
+  the tenants in service have been served: the service they had while it was absent, the
+  same measure as a returning tenant's idle time. Tried and reverted (issue 39): a tenant
+  never served starting at the floor, the whole credit below the least served. It gave a
+  light tenant arriving in an engine's first minute the whole credit, but it gives it to
+  whichever tenant joins second, and at an engine's start that can be the flood: in a
+  closed-loop run whose light tenant sent its first prompt 20 ms before the flood's, the
+  flood's prompts went 16,384 tokens ahead of the light tenant's next two (51 s against
+  the peer's 12 s);
 - a tenant is the request's ``tenant`` up to the first ``:`` (the ingress's cache namespace:
   the tenant, or its cache group, then the request's own ``cache_salt``); tenants sharing a
   cache group share a share;
@@ -171,8 +170,8 @@ class TenantFairShare:
         joined = now_backlogged - st.backlogged - st.running
         if stayed:
             floor = min(st.served.get(t, 0.0) for t in stayed) - self.burst_credit_tokens
-            for t in joined:  # one never served starts at the floor (module docstring)
-                st.served[t] = max(st.served[t], floor) if t in st.served else floor
+            for t in joined:  # one never served counts as 0 (module docstring)
+                st.served[t] = max(st.served.get(t, 0.0), floor)
         st.backlogged = now_backlogged
         return joined
 

@@ -77,24 +77,21 @@ def test_a_returning_tenant_gets_a_bounded_credit_not_its_idle_time() -> None:
     assert sfq.order(q(*backlog, *b), 3.1)[:4] == ["b0", "a10", "a11", "b1"]
 
 
-def test_a_new_tenant_gets_its_credit_even_while_the_flood_has_been_served_less() -> None:
-    """An engine's first minute: A has been served 3,000 tokens, less than the 16,384-token
-    credit, when B (never served) arrives. B starts at 3,000 - 16,384, so its four 4,000-token
-    prompts all go before A's next one; floored at 0, as before, it would have joined 3,000
-    below A and alternated with A after its first prompt (half speed, as plain SFQ). A
-    tenant that has been served keeps its own floor: C, served 5,000 before it went idle,
-    rejoins at 5,000, behind A."""
+def test_a_tenant_that_joins_a_new_engine_just_after_another_gets_no_head_start() -> None:
+    """An engine's start: the light tenant B's first prompt is in, served 64 tokens, when the
+    flood A arrives 20 ms later with five prompts, and B's next two come with them. A's
+    credit is at most what B has been served (it had no service while absent), so A and B
+    take turns from the start. With the whole credit for a tenant never served (tried,
+    reverted: issue 39), A started 16,384 tokens below B and all five of its prompts went
+    before B's second."""
     fs = TenantFairShare(FCFS(), burst_credit_tokens=16_384)
-    flood = [req(f"a{i}", "A", i * 0.01, 1000) for i in range(10)]
-    fs.order(q(*flood), 0.5)
-    fs.observe_step([(f"a{i}", 1000) for i in range(3)], 1.0)
-    b = [req(f"b{i}", "B", 2.0 + i * 0.01, 4000) for i in range(4)]
-    order = fs.order(q(*flood[3:], *b), 2.1)
-    assert fs.state.served["B"] == 3000 - 16_384
-    assert order[:5] == ["b0", "b1", "b2", "b3", "a3"]
-    fs.state.served["C"] = 5000.0
-    fs.order(q(*flood[3:], req("c0", "C", 3.0, 100)), 3.1)
-    assert fs.state.served["C"] == 5000.0
+    fs.order(q(req("b0", "B", 0.0, 1632)), 0.01)
+    fs.observe_step([("b0", 64)], 0.015)
+    flood = [req(f"a{i}", "A", 0.02, 1632) for i in range(5)]
+    b = [req("b0", "B", 0.0, 1632), req("b1", "B", 0.02, 1632), req("b2", "B", 0.02, 1632)]
+    order = fs.order(q(*b, *flood), 0.03)
+    assert fs.state.served["A"] == 0.0
+    assert order[:4] == ["a0", "b0", "a1", "b1"]
 
 
 def test_inner_order_is_kept_within_a_tenant_and_cache_salts_fold_into_it() -> None:
