@@ -83,7 +83,7 @@ def test_a_tenant_that_joins_a_new_engine_just_after_another_gets_no_head_start(
     credit is at most what B has been served (it had no service while absent), so A and B
     take turns from the start. With the whole credit for a tenant never served (tried,
     reverted: issue 39), A started 16,384 tokens below B and all five of its prompts went
-    before B's second."""
+    before any of B's."""
     fs = TenantFairShare(FCFS(), burst_credit_tokens=16_384)
     fs.order(q(req("b0", "B", 0.0, 1632)), 0.01)
     fs.observe_step([("b0", 64)], 0.015)
