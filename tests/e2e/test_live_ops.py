@@ -250,7 +250,9 @@ def test_scaling_decode_down_drains_its_streams(live_app: dict[str, Any]) -> Non
     config, no restart of the rest): the replica that goes stops taking new work, every
     stream it was serving still completes with all its tokens, and then it is gone."""
     live_app["deploy"]({"decode": {"num_replicas": 2}})
-    wait_until(lambda: len(warm_decode_replicas(live_app)) == 2, "two warm decode replicas", 240)
+    wait_until(
+        lambda: len(decode_replicas(live_app, warm=True)) == 2, "two warm decode replicas", 240
+    )
     got = drain_under_streams(live_app, {"decode": {"num_replicas": 1}})
     assert got == [(200, 300, True, [])] * 8, got
     wait_until(lambda: len(decode_replicas(live_app)) == 1, "one decode replica left", 120)
@@ -313,7 +315,9 @@ def test_a_drain_past_its_timeout_moves_its_streams_instead_of_cutting_them(
     migration) instead of ending with an error: every stream completes with all its tokens."""
     short = {"graceful_shutdown_timeout_s": 1}
     live_app["deploy"]({"decode": {"num_replicas": 2, **short}})
-    wait_until(lambda: len(warm_decode_replicas(live_app)) == 2, "two warm decode replicas", 240)
+    wait_until(
+        lambda: len(decode_replicas(live_app, warm=True)) == 2, "two warm decode replicas", 240
+    )
     before = moved(live_app)
     got = drain_under_streams(live_app, {"decode": {"num_replicas": 1, **short}}, max_tokens=600)
     assert got == [(200, 600, True, [])] * 8, got
@@ -335,7 +339,7 @@ def test_with_migration_off_a_drain_past_its_timeout_cuts_streams_saying_so(
     try:
         live_app["deploy"]({"decode": {"num_replicas": 2, **short}, "ingress": off})
         wait_until(
-            lambda: len(warm_decode_replicas(live_app)) == 2, "two warm decode replicas", 240
+            lambda: len(decode_replicas(live_app, warm=True)) == 2, "two warm decode replicas", 240
         )
         wait_until(
             lambda: (
@@ -358,12 +362,10 @@ def test_with_migration_off_a_drain_past_its_timeout_cuts_streams_saying_so(
     wait_until(lambda: len(decode_replicas(live_app)) == 1, "one decode replica left", 120)
 
 
-def decode_replicas(app: dict[str, Any]) -> list[str]:
-    return [r["id"] for r in ingress_stats(app)["replicas"]["decode"]]
-
-
-def warm_decode_replicas(app: dict[str, Any]) -> list[str]:
-    """The decode replicas whose reports say ``warm``. The decode router sends clients only
-    to warm replicas while any is cold, so streams sent before the new replica is warm all
-    land on the old one, and which replica a scale-down stops then decides the test."""
-    return [r["id"] for r in ingress_stats(app)["replicas"]["decode"] if r.get("warm") is True]
+def decode_replicas(app: dict[str, Any], warm: bool = False) -> list[str]:
+    """The decode replicas in the ingress's stats; ``warm``: only those whose reports say
+    ``warm``. The decode router sends clients only to warm replicas while any is cold, so
+    streams sent before a new replica is warm all land on the old one, and which replica a
+    scale-down stops then decides a drain test."""
+    rows = ingress_stats(app)["replicas"]["decode"]
+    return [r["id"] for r in rows if not warm or r.get("warm") is True]
