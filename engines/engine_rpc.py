@@ -20,7 +20,9 @@ msgpack socket. The operations (:data:`OPS`):
 - ``report()``: :func:`engines.runtime.load_report` plus ``has_requests`` (work left,
   KV transfers included) and ``policy`` (``None`` on vLLM's stock scheduler): the plug-in's
   Fairway and TWP parameters, ``step``, TWP's state (``l_min_s``, ``itl_hat_s``, ``sigma``,
-  ``l_min_updates``) and counters, and the profile's prefill rate.
+  ``l_min_updates``) and counters, and the profile's prefill rate; under a plug-in also
+  ``scheduler``: the waiting queue's lanes at its last ordering and the fair share's
+  ``chunk_reorders`` and ``chunk_sit_outs`` (``/v1/pdserve/stats`` shows it per replica).
 - ``pop_admission(request_id)``: the plug-in's admission record of that request, removed.
 - ``update_params(fairway, twp)``: live reconfiguration (dicts or ``None``).
 - ``calibrate_decode(l_min_s)``, ``track_l_min()``: TWP's single-stream ITL floor.
@@ -88,12 +90,19 @@ def report(s: Any) -> dict[str, Any]:
     under AsyncLLM)."""
     from engines.runtime import load_report
 
-    return {
+    out = {
         **load_report(s),
         "has_requests": bool(s.has_requests()),
         "policy": _policy(s),
         "engine_pid": os.getpid(),
     }
+    if getattr(s, "pd_config", None) is not None:  # a plug-in's order, counted
+        out["scheduler"] = {
+            "lanes": dict(s._lanes),  # the waiting queue's lanes at its last ordering
+            "chunk_reorders": int(s._chunk_reorders),  # steps whose chunks the share ordered
+            "chunk_sit_outs": int(s._chunk_sit_outs),  # a tenant's chunks sat a step out
+        }
+    return out
 
 
 def _plugin(s: Any, op: str) -> Any:

@@ -38,6 +38,9 @@ class LiveResult:
     cached_tokens: int = 0
     completion_tokens: int = 0
     error: str = ""
+    #: the replicas that served it, where the endpoint names them (pdserve's usage chunk)
+    prefill_replica: str | None = None
+    decode_replica: str | None = None
 
 
 async def _one(
@@ -92,6 +95,10 @@ async def _one(
                     res.completion_tokens = int(use.get("completion_tokens") or 0)
                     details = use.get("prompt_tokens_details") or {}
                     res.cached_tokens = int(details.get("cached_tokens") or 0)
+                served = obj.get("pdserve")
+                if isinstance(served, dict):
+                    res.prefill_replica = served.get("prefill_replica")
+                    res.decode_replica = served.get("decode_replica")
     except Exception as e:  # a transport failure is a failed request, reported
         res.error = repr(e)[:200]
         return res
@@ -180,7 +187,26 @@ def summarize(endpoint: str, results: Sequence[LiveResult], wall_s: float) -> di
         "throughput_tps": sum(r.completion_tokens for r in ok) / wall_s if wall_s > 0 else 0.0,
         "cached_token_ratio": (sum(r.cached_tokens for r in ok) / prompt) if prompt else None,
         "wall_s": wall_s,
+        "by_prefill_replica": by_prefill_replica(ok),
     }
+
+
+def by_prefill_replica(ok: Sequence[LiveResult]) -> dict[str, Any]:
+    """Per prefill replica that served a request (where the endpoint names it): its
+    requests, TTFTs and cached-token ratio; empty when none is named (the reference)."""
+    groups: dict[str, list[LiveResult]] = {}
+    for r in ok:
+        if r.prefill_replica is not None:
+            groups.setdefault(r.prefill_replica, []).append(r)
+    out: dict[str, Any] = {}
+    for rid, rs in sorted(groups.items()):
+        prompt = sum(r.prompt_tokens for r in rs)
+        out[rid] = {
+            "requests": len(rs),
+            "ttft": _stats([r.ttft_s for r in rs if r.ttft_s is not None]),
+            "cached_token_ratio": sum(r.cached_tokens for r in rs) / prompt if prompt else None,
+        }
+    return out
 
 
 def max_model_len(url: str, key: str | None) -> tuple[str | None, int | None]:
@@ -217,7 +243,13 @@ def write_report(out: Path, summary: dict[str, Any], results: Sequence[LiveResul
     fig.savefig(out / "ttft_cdf.png")
     files.append(out / "ttft_cdf.png")
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.scatter([r.sent_s for r in ok], [r.ttft_s or 0.0 for r in ok], s=6)
+    groups: dict[str, list[LiveResult]] = {}
+    for r in ok:  # one colour per prefill replica where the endpoint names them
+        groups.setdefault(r.prefill_replica or "", []).append(r)
+    for rid, rs in sorted(groups.items()):
+        ax.scatter([r.sent_s for r in rs], [r.ttft_s or 0.0 for r in rs], s=6, label=rid or None)
+    if len(groups) > 1 or "" not in groups:
+        ax.legend(title="prefill replica", fontsize="small")
     ax.set(xlabel="sent at (s)", ylabel="TTFT (s)", title="TTFT over the run")
     fig.tight_layout()
     fig.savefig(out / "ttft_over_time.png")
@@ -255,6 +287,18 @@ def write_report(out: Path, summary: dict[str, Any], results: Sequence[LiveResul
         "![TTFT CDF](ttft_cdf.png) ![TTFT over time](ttft_over_time.png) ![ITL](itl.png)",
         "",
     ]
+    per = summary.get("by_prefill_replica") or {}
+    if per:
+        lines += [
+            "| prefill replica | requests | TTFT p50 s | TTFT p99 s | cached-token ratio |",
+            "|---|---|---|---|---|",
+            *(
+                f"| {rid} | {v['requests']} | {f(v['ttft']['p50'])} | {f(v['ttft']['p99'])} "
+                f"| {f(v['cached_token_ratio'])} |"
+                for rid, v in per.items()
+            ),
+            "",
+        ]
     (out / "report.md").write_text("\n".join(lines))
     files.append(out / "report.md")
     return files

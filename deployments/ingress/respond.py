@@ -124,18 +124,25 @@ class RespondPhase(Records):
         if not prep0.chat and "prompt_token_ids" in prep0.extra:
             for c in out["choices"]:
                 c["prompt_token_ids"] = parts[c["index"] // n][0].extra["prompt_token_ids"]
-        last = tally.last
-        out["pdserve"] = {
-            "ingress_replica": self.replica_id,
-            "prefill_replica": parts[0][1].replica_id,
-            "decode_replica": last[0].replica_id if last[0] else None,
+        out["pdserve"] = self._replicas(parts, tally) | {
             "engine_s": engine_s,
             "ingress_s": total_s,
         }
-        if len(parts) > 1:  # a batch: every prompt's replicas
-            out["pdserve"]["prefill_replicas"] = [pre.replica_id for _, pre in parts]
-            out["pdserve"]["decode_replicas"] = [x.replica_id if x else None for x in last]
         return JSONResponse(out)
+
+    def _replicas(self, parts: list[tuple[Prepared, EngineChunk]], tally: Tally) -> dict[str, Any]:
+        """Which replicas served a response (the ``pdserve`` field of a whole response and
+        of a stream's usage chunk): ids only, the ones ``/v1/pdserve/stats`` lists."""
+        last = tally.last
+        out: dict[str, Any] = {
+            "ingress_replica": self.replica_id,
+            "prefill_replica": parts[0][1].replica_id,
+            "decode_replica": last[0].replica_id if last[0] else None,
+        }
+        if len(parts) > 1:  # a batch: every prompt's replicas
+            out["prefill_replicas"] = [pre.replica_id for _, pre in parts]
+            out["decode_replicas"] = [x.replica_id if x else None for x in last]
+        return out
 
     def _parse_choices(
         self, parts: list[tuple[Prepared, EngineChunk]], choices: dict[int, ChoiceOut]
@@ -255,7 +262,8 @@ class RespondPhase(Records):
                 except RequestError:
                     spent = None
                 use = with_reasoning_tokens(use, spent)
-            yield sse(stream_chunk(prep0.rid, m, created, chat=prep0.chat, use=use))
+            body = stream_chunk(prep0.rid, m, created, chat=prep0.chat, use=use)
+            yield sse(body | {"pdserve": self._replicas(parts, tally)})
         yield "data: [DONE]\n\n"
         self.record_all(tally, status)
 

@@ -56,6 +56,11 @@ def test_each_engine_runs_on_the_runtime_asked_for(pd_app: dict[str, Any]) -> No
             assert st["engine_pid"] != st["pid"] and st["engine_pid"] in kids, (st, kids)
         else:
             assert st["engine_pid"] == st["pid"], st
+    # the plug-in's counters reach the operator's stats, per replica, under either runtime
+    rows = _stats(pd_app)["replicas"]
+    for role in ("prefill", "decode"):
+        counted = rows[role][0]["scheduler"]
+        assert set(counted) == {"lanes", "chunk_reorders", "chunk_sit_outs"}, counted
 
 
 def test_serves_proxy_and_both_engines_run_on_rays_jemalloc(pd_app: dict[str, Any]) -> None:
@@ -573,6 +578,10 @@ def test_live_replay_of_a_shared_document_mix_and_a_mooncake_trace(
     assert s["model"] == "test" and s["ttft"]["p50"] > 0 and s["itl"]["mean"] > 0
     assert s["cached_token_ratio"] > 0.2  # the Zipf-popular documents come back cached
     assert s["throughput_tps"] > 0
+    # every streamed request names its prefill replica (the usage chunk's pdserve field)
+    per = s["by_prefill_replica"]
+    assert per and sum(v["requests"] for v in per.values()) == 12, per
+    assert all(rid and v["ttft"]["p50"] > 0 for rid, v in per.items()), per
     saved = json.loads((tmp_path / "rag" / "summary.json").read_text())
     assert set(saved) >= {
         "endpoint",

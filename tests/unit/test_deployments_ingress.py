@@ -75,7 +75,9 @@ class FakeEngine:
             raise EngineRefused(f"{self.refuse} is out of range", self.refuse)
         if self.fail_after == 0:
             raise RuntimeError("engine refused the request")
-        return EngineChunk("x", (9,), "length", len(req.prompt_token_ids), 128, 0.01, KV)
+        return EngineChunk(
+            "x", (9,), "length", len(req.prompt_token_ids), 128, 0.01, KV, replica_id=self.role
+        )
 
     async def _decode(self, req: EngineRequest) -> AsyncIterator[EngineChunk]:
         self.seen.append(req)
@@ -90,7 +92,14 @@ class FakeEngine:
                     raise RuntimeError("decode engine died")
                 last = "length" if i == n - 1 else None
                 yield EngineChunk(
-                    f"t{i}", (i,), last, len(req.prompt_token_ids), 0, 0.02, index=seq
+                    f"t{i}",
+                    (i,),
+                    last,
+                    len(req.prompt_token_ids),
+                    0,
+                    0.02,
+                    index=seq,
+                    replica_id=self.role,
                 )
 
     async def _release_kv(self, req: EngineRequest) -> bool:
@@ -272,6 +281,10 @@ def test_sse_stream_with_usage_and_done(wired: Any) -> None:
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": "t0"}
     assert chunks[-2]["choices"][0]["finish_reason"] == "length"
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 2
+    # the usage chunk names the replicas that served it, as a whole response's field does
+    assert chunks[-1]["pdserve"]["prefill_replica"] == "prefill"
+    assert chunks[-1]["pdserve"]["decode_replica"] == "decode"
+    assert all("pdserve" not in c for c in chunks[:-1])
 
 
 def test_auth_and_model_errors(wired: Any) -> None:

@@ -86,10 +86,30 @@ def test_summary_follows_the_schema_and_the_report_is_written(tmp_path: Path) ->
     assert s["itl"]["cv"] == pytest.approx(0.000075**0.5 / 0.025)  # pstdev / mean
     assert s["throughput_tps"] == 3.0 and s["cached_token_ratio"] == 0.25
     assert set(s["e2e"]) == {"p50", "p90", "p99", "mean"}
+    assert s["by_prefill_replica"] == {}  # no endpoint named its replicas
     json.dumps(s)
     files = write_report(tmp_path, s, results)
     assert {f.name for f in files} == {"ttft_cdf.png", "ttft_over_time.png", "itl.png", "report.md"}
     assert "| TTFT s | 0.100 |" in (tmp_path / "report.md").read_text()
+
+
+def test_the_summary_splits_requests_by_the_prefill_replica_that_served_them(
+    tmp_path: Path,
+) -> None:
+    results = [
+        LiveResult(0.0, True, 0.1, 0.5, [], 100, 50, 3, prefill_replica="p1"),
+        LiveResult(0.5, True, 0.4, 0.9, [], 100, 0, 3, prefill_replica="p2"),
+        LiveResult(0.7, True, 0.2, 0.9, [], 300, 300, 3, prefill_replica="p1"),
+        LiveResult(0.8, True, 0.9, 0.9, [], 100, 0, 3),  # not named: left out
+        LiveResult(1.0, False, error="HTTP 503: overloaded", prefill_replica="p2"),  # failed
+    ]
+    per = summarize("http://x", results, wall_s=2.0)["by_prefill_replica"]
+    assert list(per) == ["p1", "p2"]
+    assert per["p1"]["requests"] == 2 and per["p1"]["ttft"]["p99"] == 0.2
+    assert per["p1"]["cached_token_ratio"] == 350 / 400
+    assert per["p2"]["requests"] == 1 and per["p2"]["cached_token_ratio"] == 0.0
+    write_report(tmp_path, summarize("http://x", results, wall_s=2.0), results)
+    assert "| p1 | 2 | 0.100 | 0.200 | 0.875 |" in (tmp_path / "report.md").read_text()
 
 
 def test_a_replay_workload_refuses_what_no_replay_can_run() -> None:

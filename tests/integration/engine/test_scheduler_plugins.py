@@ -266,6 +266,8 @@ def test_a_floods_running_chunks_yield_to_a_lighter_tenants_request(pd_engine: P
     tokens. With the fair share's turns for running chunks (the default), A's chunk sits a
     step out and B's first token comes before A's; with them off, vLLM's running order, B
     waits for A's last chunk."""
+    from engines.engine_rpc import call
+
     rng = random.Random(13)
     b_first: dict[bool, bool] = {}
     for turns in (True, False):
@@ -281,6 +283,11 @@ def test_a_floods_running_chunks_yield_to_a_lighter_tenants_request(pd_engine: P
         pd_engine.drain(run)
         b_first[turns] = run.first_token_ts(b) < run.first_token_ts(a)
         assert (sched.state()["chunk_sit_outs"] > 0) is turns
+        # the replica's report (engine_rpc) carries the same counters to /v1/pdserve/stats
+        assert (
+            call(sched, "report")["scheduler"]["chunk_sit_outs"]
+            == (sched.state()["chunk_sit_outs"])
+        )
         assert max(r.scheduled_tokens for r in sched.records) <= 128
         sched.records.clear()
     assert b_first == {True: True, False: False}
@@ -331,6 +338,7 @@ def test_the_replicas_engine_calls_read_and_change_the_live_plugin(pd_engine: Pd
     assert rep["waiting"] == 0 and rep["running"] == 0 and "has_requests" in rep
     assert rep["window_tokens"] > 0 and rep["policy"]["twp_state"]["sigma"] > 0
     assert rep["policy"]["fairway"] == sched.pd_config.fairway.model_dump()
+    assert set(rep["scheduler"]) == {"lanes", "chunk_reorders", "chunk_sit_outs"}
     start = rep["policy"]["step"]
     pd_engine.add("lone", _tokens(random.Random(9), 64), max_tokens=24)
     pd_engine.drain()
