@@ -69,11 +69,11 @@ LOADS: dict[str, tuple[int | None, float | None]] = {
     "open1.2": (None, 1.2),
 }
 WORKLOADS = ("rag", "cache_pressure", "multi_tenant", "burst")
-#: an open-loop cell's throughput goal counts a ratio this close below 1 as a tie (see goals)
-OPEN_LOOP_THROUGHPUT_TIE = 0.005
-#: metric -> whether higher is better (the heat map's caption says which way is good)
+#: metric -> whether higher is better (the heat map's caption says which way is good);
+#: ``served`` is the requests answered (an open-loop cell's throughput goal, see goals)
 METRICS: dict[str, bool] = {
     "throughput": True,
+    "served": True,
     "ttft_p50": False,
     "ttft_p99": False,
     "itl_p99": False,
@@ -403,6 +403,7 @@ def figures(
     return {
         "throughput": summary.get("throughput_tps"),
         "requests_per_s": ok / wall if wall > 0 else None,
+        "served": ok,
         "ttft_p50": (summary.get("ttft") or {}).get("p50"),
         "ttft_p99": (summary.get("ttft") or {}).get("p99"),
         "itl_p99": (summary.get("itl") or {}).get("p99"),
@@ -491,12 +492,21 @@ def cell_ratios(
     for m in METRICS:
         xs = []
         for figs in by_rep.values():
-            a = (figs.get(system) or {}).get(m)
-            b = (figs.get(reference) or {}).get(m)
+            a = _figure(figs.get(system) or {}, m)
+            b = _figure(figs.get(reference) or {}, m)
             if a is not None and b:
                 xs.append(a / b)
         out[m] = spread(xs)
     return out
+
+
+def _figure(figs: Mapping[str, Any], m: str) -> float | None:
+    """One run's figure ``m``; ``served`` of a run recorded before it was a figure comes
+    from its requests less its errors."""
+    v = figs.get(m)
+    if v is None and m == "served" and figs.get("requests") is not None:
+        v = figs["requests"] - (figs.get("errors") or 0)
+    return v
 
 
 def goals(cell: Cell, med: Mapping[str, float | None]) -> dict[str, bool | None]:
@@ -506,12 +516,16 @@ def goals(cell: Cell, med: Mapping[str, float | None]) -> dict[str, bool | None]
         v = med.get(m)
         return None if v is None else ok(v)
 
-    # open loop: both systems get the same arrivals, and each serves at the offered rate
-    # while it keeps up; the ratio then differs from 1 only by when the last request ended
-    # (0.99995 in two_prefill/open0.5/rag, every request served by both), so a tie is met
-    floor = 1.0 - (OPEN_LOOP_THROUGHPUT_TIE if cell.concurrency is None else 0.0)
+    # Open loop: both systems get the same arrivals (every request the same output length),
+    # so the throughput a system can show is the offered one, less what it did not answer.
+    # Its tokens per second over the wall time differ from the other's only by when the last
+    # request ended (0.99 in two_prefill/open0.9/burst, all 44 served by both, the last 2.7 s
+    # later), which the latencies already count. So the goal there is the requests answered:
+    # at least the peer's, every refusal or failure a miss (a tolerance on tokens/s let a
+    # run with one refused request of 132 pass). Closed loop: tokens per second, as sent.
+    tput = "served" if cell.concurrency is None and med.get("served") is not None else "throughput"
     out = {
-        "throughput >= 1.0x": check("throughput", lambda v: v >= floor),
+        "throughput >= 1.0x": check(tput, lambda v: v >= 1.0),
         "ttft_p50 <= 1.0x": check("ttft_p50", lambda v: v <= 1.0),
         "ttft_p99 <= 1.0x": check("ttft_p99", lambda v: v <= 1.0),
     }
@@ -736,7 +750,7 @@ def summarize_cell(
     for s in systems:
         figs = [r["figures"] for r in runs if r["system"] == s and r.get("figures")]
         medians[s] = {
-            m: spread([f[m] for f in figs if f.get(m) is not None])["median"]
+            m: spread([v for f in figs if (v := _figure(f, m)) is not None])["median"]
             for m in (*METRICS, "requests_per_s")
         }
     ratios = {s: cell_ratios(runs, s) for s in others}
