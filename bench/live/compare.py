@@ -523,8 +523,9 @@ def engine_replicas(stats: Mapping[str, Any]) -> dict[str, list[dict[str, Any]]]
 
 def write_requests(path: Path, reqs: Sequence[LiveRequest], results: Sequence[Any]) -> None:
     """One JSON line per request, in the replay's order: when it was sent, what the client
-    saw (TTFT, end to end, tokens, the cached tokens its usage reported, the error) and its
-    label, for the per-request look at a run (which requests made the tail)."""
+    saw (TTFT, end to end, tokens, the cached tokens its usage reported, the error, the
+    prefill and decode replicas where the endpoint names them) and its label, for the
+    per-request look at a run (which requests made the tail, on which engine)."""
     with path.open("w") as f:
         for req, r in zip(reqs, results, strict=False):
             row = {
@@ -538,6 +539,9 @@ def write_requests(path: Path, reqs: Sequence[LiveRequest], results: Sequence[An
                 "completion_tokens": r.completion_tokens,
                 "error": r.error[:200],
             }
+            for k in ("prefill_replica", "decode_replica"):  # where the endpoint names them
+                if getattr(r, k, None) is not None:
+                    row[k] = getattr(r, k)
             f.write(json.dumps(row) + "\n")
 
 

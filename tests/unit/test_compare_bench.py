@@ -306,12 +306,15 @@ def test_write_requests_keeps_one_line_per_request_in_order(tmp_path: Path) -> N
         LiveResult(0.01, True, ttft_s=0.2, e2e_s=0.5, prompt_tokens=2, cached_tokens=1),
         LiveResult(0.52, False, error="HTTP 400: " + "x" * 500),
     ]
+    res[0].prefill_replica, res[0].decode_replica = "p1", "d1"
     path = tmp_path / "requests.jsonl"
     write_requests(path, reqs, res)
     rows = [json.loads(ln) for ln in path.read_text().splitlines()]
     assert [r["label"] for r in rows] == ["doc:3", ""]
     assert rows[0]["cached_tokens"] == 1 and rows[0]["ttft_s"] == 0.2 and rows[0]["sent_s"] == 0.01
     assert rows[1]["ok"] is False and len(rows[1]["error"]) == 200
+    assert (rows[0]["prefill_replica"], rows[0]["decode_replica"]) == ("p1", "d1")
+    assert "prefill_replica" not in rows[1]  # not named (the peer's): left out
 
 
 @contextlib.contextmanager
