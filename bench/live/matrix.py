@@ -835,10 +835,11 @@ def report(res: Mapping[str, Any], out: Path) -> list[Path]:
         vals = []
         for m in metrics:
             s = r.get(m) or {}
+            d = 3 if m == "served" else 2  # one request of 132 shows: 0.992, not 1.00
             vals.append(
                 "-"
                 if s.get("median") is None
-                else f"{s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f})"
+                else f"{s['median']:.{d}f} ({s['min']:.{d}f}-{s['max']:.{d}f})"
             )
         g = c.get("goals") or {}
         met = sum(1 for v in g.values() if v)
@@ -968,7 +969,8 @@ def heatmap(res: Mapping[str, Any], path: Path, metrics: Sequence[str]) -> Path:
     ax.set_yticks(range(len(names)), names)
     for i, row in enumerate(grid):
         for j, v in enumerate(row):
-            ax.text(j, i, "-" if v != v else f"{v:.2f}", ha="center", va="center", fontsize=8)
+            d = 3 if metrics[j] == "served" else 2
+            ax.text(j, i, "-" if v != v else f"{v:.{d}f}", ha="center", va="center", fontsize=8)
     cb = fig.colorbar(im, ax=ax, label=f"pdserve / {res['reference']} (median)")
     ticks = [t for t in (0.25, 0.5, 0.7, 1.0, 1.4, 2.0, 4.0) if 1 / span <= t <= span]
     cb.set_ticks(ticks, labels=[f"{t:g}" for t in ticks])
