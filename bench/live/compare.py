@@ -539,9 +539,8 @@ def write_requests(path: Path, reqs: Sequence[LiveRequest], results: Sequence[An
                 "completion_tokens": r.completion_tokens,
                 "error": r.error[:200],
             }
-            for k in ("prefill_replica", "decode_replica"):  # where the endpoint names them
-                if getattr(r, k, None) is not None:
-                    row[k] = getattr(r, k)
+            if r.prefill_replica is not None:  # where the endpoint names them
+                row |= {"prefill_replica": r.prefill_replica, "decode_replica": r.decode_replica}
             f.write(json.dumps(row) + "\n")
 
 

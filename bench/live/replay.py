@@ -191,15 +191,21 @@ def summarize(endpoint: str, results: Sequence[LiveResult], wall_s: float) -> di
     }
 
 
+def _by_prefill(results: Sequence[LiveResult]) -> dict[str, list[LiveResult]]:
+    """``results`` by the prefill replica that served them, in id order; ``""``: not named."""
+    groups: dict[str, list[LiveResult]] = {}
+    for r in results:
+        groups.setdefault(r.prefill_replica or "", []).append(r)
+    return dict(sorted(groups.items()))
+
+
 def by_prefill_replica(ok: Sequence[LiveResult]) -> dict[str, Any]:
     """Per prefill replica that served a request (where the endpoint names it): its
     requests, TTFTs and cached-token ratio; empty when none is named (the reference)."""
-    groups: dict[str, list[LiveResult]] = {}
-    for r in ok:
-        if r.prefill_replica is not None:
-            groups.setdefault(r.prefill_replica, []).append(r)
     out: dict[str, Any] = {}
-    for rid, rs in sorted(groups.items()):
+    for rid, rs in _by_prefill(ok).items():
+        if not rid:
+            continue
         prompt = sum(r.prompt_tokens for r in rs)
         out[rid] = {
             "requests": len(rs),
@@ -243,10 +249,8 @@ def write_report(out: Path, summary: dict[str, Any], results: Sequence[LiveResul
     fig.savefig(out / "ttft_cdf.png")
     files.append(out / "ttft_cdf.png")
     fig, ax = plt.subplots(figsize=(6, 4))
-    groups: dict[str, list[LiveResult]] = {}
-    for r in ok:  # one colour per prefill replica where the endpoint names them
-        groups.setdefault(r.prefill_replica or "", []).append(r)
-    for rid, rs in sorted(groups.items()):
+    groups = _by_prefill(ok)  # one colour per prefill replica where the endpoint names them
+    for rid, rs in groups.items():
         ax.scatter([r.sent_s for r in rs], [r.ttft_s or 0.0 for r in rs], s=6, label=rid or None)
     if len(groups) > 1 or "" not in groups:
         ax.legend(title="prefill replica", fontsize="small")
