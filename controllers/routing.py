@@ -65,7 +65,10 @@ class RoutingConfig(BaseModel):
     running_weight_tokens: int = Field(
         default=0,
         ge=0,
-        description="Tokens of backlog counted per running request (0: queued tokens already include them).",
+        description=(
+            "Tokens of backlog counted per running request (0: the load report's queued tokens"
+            " already include running prompts' chunks not yet computed)."
+        ),
     )
     hotspot_factor: float = Field(
         default=2.0,

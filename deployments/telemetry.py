@@ -235,7 +235,10 @@ SERIES: dict[str, tuple[str, str, tuple[str, ...], list[float] | None]] = {
     "pdserve_engine_waiting": ("gauge", "Requests waiting in an engine.", ("role", "replica"), None),
     "pdserve_engine_running": ("gauge", "Requests running in an engine.", ("role", "replica"), None),
     "pdserve_engine_queued_uncached_tokens": (
-        "gauge", "Uncached prompt tokens queued in an engine.", ("role", "replica"), None,
+        "gauge",
+        "Uncached prompt tokens an engine owes: queued, and running prompts' chunks to come.",
+        ("role", "replica"),
+        None,
     ),
     "pdserve_engine_kv_usage": (
         "gauge", "Share of an engine's KV blocks in use.", ("role", "replica"), None,

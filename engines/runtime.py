@@ -463,12 +463,39 @@ def live_scheduler(llm: Any) -> Any:
     return llm.llm_engine.engine_core.engine_core.scheduler
 
 
+def prompt_tokens_left(running: Any) -> int:
+    """The prompt tokens that running requests have not computed yet.
+
+    A prompt longer than a step's budget (``step_tokens``, vLLM's chunked prefill) leaves
+    vLLM's waiting queue with its first chunk and runs over several steps from the running
+    list. Its chunks still to come are work the replica owes as surely as a waiting
+    request's, so they count in the load report's ``queued_uncached_tokens``; without them a
+    replica a step into a 2,800-token prompt looks empty to the prefill router, the wait
+    bound and the autoscaler (docs/design/matrix_39_causes.md). The cluster simulator's
+    replica counted them from the start (``bench/sim/prefill.py``). A decoding request has
+    computed its whole prompt and adds nothing.
+    """
+    return sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in running)
+
+
+def owed_prompt_tokens(waiting: Any, running: Any, cached: dict[str, int]) -> int:
+    """The load report's ``queued_uncached_tokens``: waiting requests' tokens not yet
+    computed, less the cached prefix ``cached`` names (request id to tokens, from a prefix
+    probe), plus :func:`prompt_tokens_left` of the running ones."""
+    queued = sum(
+        max(0, r.num_tokens - max(r.num_computed_tokens, cached.get(r.request_id, 0)))
+        for r in waiting
+    )
+    return queued + prompt_tokens_left(running)
+
+
 def load_report(scheduler: Any) -> dict[str, Any]:
     """A replica's load as the routers read it, taken from a live scheduler (engine thread).
 
-    Keys: ``waiting``, ``running``, ``queued_uncached_tokens`` (waiting requests' tokens not
-    yet computed, less their cached prefix when a plug-in's prefix probe is there),
-    ``free_kv_blocks``,
+    Keys: ``waiting``, ``running``, ``queued_uncached_tokens`` (the prompt tokens the engine
+    still owes: waiting requests' tokens not yet computed, less their cached prefix when a
+    plug-in's prefix probe is there, plus the prompt tokens of running requests not yet
+    computed: :func:`owed_prompt_tokens`), ``free_kv_blocks``,
     ``total_kv_blocks``, ``kv_usage``, ``kv_pinned_requests`` (finished requests whose blocks
     the engine still holds: on a prefill engine, KV pinned for a decode engine's pull), and
     for a TWP gate ``window_tokens`` and ``token_load`` (``None`` without one: no pacing
@@ -479,10 +506,7 @@ def load_report(scheduler: Any) -> dict[str, Any]:
     running = list(scheduler.running)
     probe = getattr(scheduler, "probe", None)  # the plug-ins' side-effect-free prefix probe
     cached = probe.refresh(waiting) if probe is not None and waiting else {}
-    queued = sum(
-        max(0, r.num_tokens - max(r.num_computed_tokens, cached.get(r.request_id, 0)))
-        for r in waiting
-    )
+    queued = owed_prompt_tokens(waiting, running, cached)
     gate = getattr(scheduler, "gate", None)
     return {
         "waiting": len(waiting),

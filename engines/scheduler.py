@@ -82,6 +82,7 @@ from controllers.profile import EngineProfile
 from engines.config import EngineSchedulerConfig, engine_config_from_vllm
 from engines.engine_rpc import register as register_engine_rpc
 from engines.prefix_probe import PrefixProbe
+from engines.runtime import owed_prompt_tokens
 from engines.state_channel import StatePublisher
 
 _NEEDS_PROFILE = ("fairway", "peek")
@@ -226,7 +227,6 @@ class PdserveSchedulerMixin:
         self._l_min_tracker: LMinTracker | None = getattr(self, "_l_min_tracker", None)
         self.l_min_updates: int = getattr(self, "l_min_updates", 0)
         self._lanes = {"fast": 0, "fair": 0}
-        self._queued_uncached = 0
         self._cached: dict[str, int] = {}
         self._chunk_reorders = 0
         self._chunk_sit_outs = 0
@@ -531,12 +531,10 @@ class PdserveSchedulerMixin:
         assert self.prefill is not None
         info = self._info
         views = []
-        queued = 0
         for r in waiting:
             rid = r.request_id
             c = cached.get(rid, 0)
             unc = max(0, r.num_tokens - c)
-            queued += unc
             i = info[rid]
             views.append(
                 PrefillRequestView(
@@ -549,7 +547,6 @@ class PdserveSchedulerMixin:
                     tenant=i.tenant,
                 )
             )
-        self._queued_uncached = queued
         queue = PrefillQueueView.of(views)
         now = self.wall_clock()
         if self._order_with_lanes is not None:  # a laned policy (Fairway): report its lanes
@@ -661,7 +658,8 @@ class PdserveSchedulerMixin:
             "gate": gate.name if gate is not None else None,
             "waiting": len(self.waiting),
             "running": len(self.running),
-            "queued_uncached_tokens": self._queued_uncached,
+            # the load report's figure, with the cached prefixes the last step's probe found
+            "queued_uncached_tokens": owed_prompt_tokens(self.waiting, self.running, self._cached),
             "lanes": dict(self._lanes),
             "window_tokens": gate.window_tokens if gate is not None else None,
             "token_load": self._token_load if gate is not None else None,

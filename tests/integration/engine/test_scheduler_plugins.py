@@ -294,6 +294,31 @@ def test_a_floods_running_chunks_yield_to_a_lighter_tenants_request(pd_engine: P
     pd_engine.configure(prefill_policy="fcfs")
 
 
+def test_a_prompt_running_in_chunks_stays_in_the_load_report(pd_engine: PdEngine) -> None:
+    """A 1,536-token prompt in chunks of 128 leaves vLLM's waiting queue with its first
+    chunk. The load report the routers, the wait bound and the autoscaler read
+    (``queued_uncached_tokens``, through the replica's engine call) still counts its chunks
+    to come, as the published state does, and falls to 0 once the prompt is done."""
+    from engines.engine_rpc import call
+    from engines.runtime import load_report
+
+    rng = random.Random(15)
+    sched = pd_engine.configure(prefill_policy="fcfs", step_tokens=128)
+    pd_engine.add("chunked", _tokens(rng, 1536), max_tokens=1)
+    for _ in range(2):
+        assert not pd_engine.step()
+    assert not sched.waiting and len(sched.running) == 1
+    left = 1536 - sched.running[0].num_computed_tokens
+    assert 0 < left < 1536
+    report = call(sched, "report")
+    assert (report["waiting"], report["running"]) == (0, 1)
+    assert report["queued_uncached_tokens"] == left
+    assert sched.state()["queued_uncached_tokens"] == left
+    pd_engine.drain()
+    assert load_report(sched)["queued_uncached_tokens"] == 0
+    pd_engine.configure(prefill_policy="fcfs")
+
+
 def test_chunks_that_would_sit_out_keep_their_slots(pd_engine: PdEngine) -> None:
     """Every running slot (``max_num_seqs`` 32 here) is taken, 31 of tenant A's requests
     decoding and A's 1,536-token prompt in chunks, when tenant B's request arrives. A chunk
