@@ -9,6 +9,9 @@ Systems (:data:`SYSTEMS`), each brought up on a fresh local Ray head and torn do
   routing: what a user of this app would otherwise run.
 - ``pdserve-fairway``: Fairway only (stock decode scheduler), prefix-index routing.
 - ``pdserve-twp``: TWP only (stock prefill scheduler), prefix-index routing.
+- ``pdserve-nofs``: ``pdserve`` without the prefill scheduler's fair share among tenants in
+  ``multi_tenant`` matrix cells (Fairway alone, as the paper has it): what the fair share
+  costs the flooding tenant and buys the quiet one.
 - ``pdserve-async``: ``pdserve`` with both engines on ``runtime: async_llm`` (vLLM's
   ``AsyncLLM``, engine core in its own process) instead of the CPU default, the in-process
   engine: the runtime comparison of issue 14.
@@ -82,6 +85,9 @@ class System:
     about: str = ""
     #: pdserve engines' runtime (``auto``: the config's own)
     runtime: str = "auto"
+    #: the prefill scheduler's fair share among tenants where the run has tenants (the
+    #: matrix's ``multi_tenant`` cells, :func:`bench.live.matrix.tenant_config`)
+    fair_share: bool = True
 
 
 SYSTEMS: dict[str, System] = {
@@ -91,6 +97,9 @@ SYSTEMS: dict[str, System] = {
     ),
     "pdserve-fairway": System("pdserve", FAIRWAY, None, about="Fairway only, index routing"),
     "pdserve-twp": System("pdserve", None, TWP, about="TWP only, index routing"),
+    "pdserve-nofs": System(
+        "pdserve", fair_share=False, about="Fairway + TWP + index routing, no tenants' fair share"
+    ),
     "pdserve-async": System(
         "pdserve", runtime="async_llm", about="Fairway + TWP + index routing, engines on AsyncLLM"
     ),

@@ -359,12 +359,14 @@ def tenant_config(
     config: Mapping[str, Any],
     key_hashes: Mapping[str, str],
     operator_key_hashes: Sequence[str] = (),
+    fair_share: bool = True,
 ) -> dict[str, Any]:
     """A pdserve Serve config (as a dict) for ``multi_tenant``: keys required
     (``ingress.auth: keys``), ``key_hashes`` (``sha256:...`` -> tenant) as the tenants' keys,
     ``operator_key_hashes`` as the operator's (the bench reads the stats with one), and the
-    prefill scheduler's fair share among tenants on (``fair_share: true``; off by default)
-    where the prefill scheduler takes a config (not vLLM's stock one)."""
+    prefill scheduler's fair share among tenants set to ``fair_share`` (the engine's default
+    is off; the matrix turns it on but for ``pdserve-nofs``) where the prefill scheduler
+    takes a config (not vLLM's stock one)."""
     raw = json.loads(json.dumps(config))
     args = raw["applications"][0].setdefault("args", {})
     args.setdefault("ingress", {})["auth"] = "keys"
@@ -376,7 +378,7 @@ def tenant_config(
     if prefill.get("scheduler_cls"):
         prefill["scheduler_config"] = {
             **(prefill.get("scheduler_config") or {}),
-            "fair_share": True,
+            "fair_share": fair_share,
         }
     return raw
 
@@ -1044,7 +1046,10 @@ def live_runner(model: str, progress: bool = True) -> RunSystem:
                 keys = {t: new_key() for t in ("quiet", "flood")}
                 operator = new_key()
                 cfg = tenant_config(
-                    cfg, {hash_key(k): t for t, k in keys.items()}, [hash_key(operator)]
+                    cfg,
+                    {hash_key(k): t for t, k in keys.items()},
+                    [hash_key(operator)],
+                    fair_share=sys_.fair_share,
                 )
                 reqs, probe_key = with_keys(reqs, keys), keys["quiet"]
         else:

@@ -345,6 +345,10 @@ def test_multi_tenant_config_requires_keys_and_turns_the_fair_share_on() -> None
     # the operator's key, with which the bench reads the stats of an app that needs keys
     op = mx.tenant_config(pdserve_config(base, SYSTEMS["pdserve"]), {}, ["sha256:cd"])
     assert op["applications"][0]["args"]["tenants"]["operator_key_hashes"] == ["sha256:cd"]
+    # pdserve-nofs: the same tenants and keys, Fairway without the fair share
+    nofs = SYSTEMS["pdserve-nofs"]
+    off = mx.tenant_config(pdserve_config(base, nofs), {}, fair_share=nofs.fair_share)
+    assert off["applications"][0]["args"]["prefill"]["scheduler_config"]["fair_share"] is False
 
 
 def test_cpu_roles_of_both_systems_processes() -> None:
