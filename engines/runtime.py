@@ -470,8 +470,8 @@ def prompt_tokens_left(running: Any) -> int:
     vLLM's waiting queue with its first chunk and runs over several steps from the running
     list. Its chunks still to come are work the replica owes as surely as a waiting
     request's, so they count in the load report's ``queued_uncached_tokens``; without them a
-    replica a step into a 2,800-token prompt looks empty to the prefill router, the wait
-    bound and the autoscaler (docs/design/matrix_39_causes.md). The cluster simulator's
+    replica a step into a 2,800-token prompt looks empty to the prefill router, the
+    ingress's token bound and the autoscaler (docs/design/matrix_39_causes.md). The cluster simulator's
     replica counted them from the start (``bench/sim/prefill.py``). A decoding request has
     computed its whole prompt and adds nothing.
     """

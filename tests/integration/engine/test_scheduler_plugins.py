@@ -296,7 +296,7 @@ def test_a_floods_running_chunks_yield_to_a_lighter_tenants_request(pd_engine: P
 
 def test_a_prompt_running_in_chunks_stays_in_the_load_report(pd_engine: PdEngine) -> None:
     """A 1,536-token prompt in chunks of 128 leaves vLLM's waiting queue with its first
-    chunk. The load report the routers, the wait bound and the autoscaler read
+    chunk. The load report the router, the ingress's token bound and the autoscaler read
     (``queued_uncached_tokens``, through the replica's engine call) still counts its chunks
     to come, as the published state does, and falls to 0 once the prompt is done."""
     from engines.engine_rpc import call
