@@ -471,9 +471,9 @@ def prompt_tokens_left(running: Any) -> int:
     list. Its chunks still to come are work the replica owes as surely as a waiting
     request's, so they count in the load report's ``queued_uncached_tokens``; without them a
     replica a step into a 2,800-token prompt looks empty to the prefill router, the
-    ingress's token bound and the autoscaler (docs/design/matrix_39_causes.md). The cluster simulator's
-    replica counted them from the start (``bench/sim/prefill.py``). A decoding request has
-    computed its whole prompt and adds nothing.
+    ingress's token bound and the autoscaler (docs/design/matrix_39_causes.md). The cluster
+    simulator's replica counted them from the start (``bench/sim/prefill.py``). A decoding
+    request has computed its whole prompt and adds nothing.
     """
     return sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in running)
 
