@@ -777,12 +777,19 @@ def summarize_cell(
 # Report
 
 
+def main_system(systems: Sequence[str], reference: str = REFERENCE) -> str | None:
+    """The system whose ratios the report's table and heat map show: ``pdserve``, else the
+    first system that is not the reference (``pdserve-nofs`` in a matrix of its own)."""
+    if "pdserve" in systems:
+        return "pdserve"
+    return next((s for s in systems if s != reference), None)
+
+
 def main_ratios(cell: Mapping[str, Any]) -> dict[str, Any]:
-    """A cell's ratios of ``pdserve`` (else of the first system that is not the reference)."""
+    """A cell's ratios of its :func:`main_system`."""
     ratios: dict[str, Any] = cell.get("ratios") or {}
-    if "pdserve" in ratios:
-        return dict(ratios["pdserve"])
-    return dict(next(iter(ratios.values()), {}))
+    name = main_system(list(ratios), reference="")
+    return dict(ratios[name]) if name is not None else {}
 
 
 def _fmt(v: float | None, fmt: str = "{:.2f}") -> str:
@@ -799,7 +806,8 @@ def report(res: Mapping[str, Any], out: Path) -> list[Path]:
         "",
         f"Live runs (simulated: {str(res['simulated']).lower()}), systems {', '.join(res['systems'])}, "
         f"{res['repeats']} repeats per cell in the orders {', '.join(res['order'])}. "
-        f"Ratios are pdserve over `{res['reference']}`: the median over repeats of the "
+        f"Ratios are `{main_system(res['systems'], res['reference'])}` over "
+        f"`{res['reference']}`: the median over repeats of the "
         f"per-repeat ratio, with its spread as min-max. Higher is better for throughput and "
         f"the cached ratio, lower for the latencies.",
         "",

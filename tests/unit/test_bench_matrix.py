@@ -296,6 +296,23 @@ def test_a_failing_cell_is_reported_and_the_others_still_run(tmp_path: Path) -> 
     assert (tmp_path / "matrix.json").exists()
 
 
+def test_a_matrix_of_another_system_names_it_in_the_report(tmp_path: Path) -> None:
+    def stand_in(system: str, cell: Cell, cfg: dict, reqs: list, conc: int | None,
+                 out: Path) -> dict[str, Any]:  # fmt: skip
+        return _figs(ttft_p50=0.4 if system == "pdserve-nofs" else 1.0)
+
+    res = mx.run_matrix(
+        parse_cells("pair/closed8/rag"), tmp_path, run_system=stand_in,
+        build=lambda c, r, s: mx.workload_requests(c, r, s, limit=4), base=BASE, repeats=1,
+        systems=("pdserve-nofs", "peer-connector"), progress=False,
+    )  # fmt: skip
+    md = (tmp_path / "report.md").read_text()
+    assert "Ratios are `pdserve-nofs` over `peer-connector`" in md
+    assert "pdserve over" not in md
+    assert mx.main_ratios(res["cells"]["pair/closed8/rag"])["ttft_p50"]["median"] == 0.4
+    assert mx.main_system(["pdserve-nofs", "pdserve", "peer-connector"]) == "pdserve"
+
+
 def test_a_failed_capacity_run_fails_the_open_cells_it_sets(tmp_path: Path) -> None:
     def stand_in(system: str, cell: Cell, cfg: dict, reqs: list, conc: int | None,
                  out: Path) -> dict[str, Any]:  # fmt: skip
