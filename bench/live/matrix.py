@@ -37,6 +37,11 @@ Goals (over the median ratios): every cell throughput >= 1.0x (in an open-loop c
 ``two_prefill/open0.9`` of ``cache_pressure`` and ``burst``: TTFT p50 and p99 <= 0.7x;
 ``multi_tenant``: the quiet tenant's TTFT p99 <= 0.5x. Each is met, missed or "no data".
 
+Each live run is framed by a host probe (:func:`host_probe`, before and after it): the same
+fixed work timed each time, so a repeat that ran on a slower or busier host shows it in the
+report's "Every run" table. The repeats of one cell span hours and sessions on a shared
+machine, and a run's own CPU seconds cannot tell a slower host from more work.
+
 Everything here is pure but :func:`live_runner` and :func:`live_requests`: the per-system
 run is a callable (:data:`RunSystem`) so that the unit tests stand it in. Results are
 ``simulated: false`` and keep every run's raw figures.
@@ -45,6 +50,7 @@ run is a callable (:data:`RunSystem`) so that the unit tests stand it in. Result
 from __future__ import annotations
 
 import collections
+import hashlib
 import json
 import math
 import statistics
@@ -864,9 +870,12 @@ def report(res: Mapping[str, Any], out: Path) -> list[Path]:
         "",
         "## Every run",
         "",
+        f"Host probe: seconds to hash a fixed {PROBE_MIB} MiB on one thread before / after the run; a "
+        "longer probe is a slower or busier host.",
+        "",
         "| cell | repeat | system | rate req/s | tok/s | req/s | TTFT p50 s | TTFT p99 s "
-        "| ITL p99 s | cached | quiet TTFT p99 s | errors |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| ITL p99 s | cached | quiet TTFT p99 s | errors | host probe s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     all_runs = [(r["cell"], r) for r in res.get("capacity_runs") or []]
     all_runs += [(n, r) for n, c in cells.items() for r in c.get("runs") or []]
@@ -875,7 +884,7 @@ def report(res: Mapping[str, Any], out: Path) -> list[Path]:
         if f is None:
             lines.append(
                 f"| {name} | {r['repeat'] + 1} | {r['system']} | {_fmt(r.get('rate'), '{:.3f}')} "
-                f"| failed: {str(r.get('error', ''))[:100]} |" + " - |" * 7
+                f"| failed: {str(r.get('error', ''))[:100]} |" + " - |" * 8
             )
             continue
         lines.append(
@@ -883,7 +892,8 @@ def report(res: Mapping[str, Any], out: Path) -> list[Path]:
             f"| {_fmt(f.get('throughput'), '{:.1f}')} | {_fmt(f.get('requests_per_s'), '{:.3f}')} "
             f"| {_fmt(f.get('ttft_p50'), '{:.3f}')} | {_fmt(f.get('ttft_p99'), '{:.3f}')} "
             f"| {_fmt(f.get('itl_p99'), '{:.3f}')} | {_fmt(f.get('cached_token_ratio'))} "
-            f"| {_fmt(f.get('quiet_ttft_p99'), '{:.3f}')} | {f.get('errors', '-')} |"
+            f"| {_fmt(f.get('quiet_ttft_p99'), '{:.3f}')} | {f.get('errors', '-')} "
+            f"| {'/'.join(f'{v:.2f}' for v in f.get('host_probe_s') or []) or '-'} |"
         )
     lines += breakdown_table(res)
     lines += ["", "![median ratios](heatmap.png)", ""]
@@ -996,6 +1006,21 @@ def heatmap(res: Mapping[str, Any], path: Path, metrics: Sequence[str]) -> Path:
 # The live pieces (not unit-tested: they start Ray and vLLM)
 
 
+#: the host probe's work: SHA-256 over this many MiB on one thread (under a second here)
+PROBE_MIB = 256
+
+
+def host_probe(mib: int = PROBE_MIB) -> float:
+    """Wall seconds to hash ``mib`` MiB with SHA-256 on one thread: the same work every time,
+    so a longer probe is a slower or busier host (see the module docstring)."""
+    block = bytes(2**20)
+    h = hashlib.sha256()
+    t0 = time.perf_counter()
+    for _ in range(mib):
+        h.update(block)
+    return time.perf_counter() - t0
+
+
 def live_requests(
     base: Mapping[str, Any], *, vocab: int, max_tokens: int, limit: int | None, tokenizer: Any
 ) -> tuple[BuildRequests, CachePressure]:
@@ -1064,6 +1089,7 @@ def live_runner(model: str, progress: bool = True) -> RunSystem:
             cfg = peer_config(config, sys_)
             reqs = with_keys(reqs, None)
         out.mkdir(parents=True, exist_ok=True)
+        probe = [host_probe()]
         m = measure(
             system, sys_, cfg, reqs, out, model=model, concurrency=concurrency,
             progress=progress, key=probe_key, operator_key=operator,
@@ -1077,6 +1103,7 @@ def live_runner(model: str, progress: bool = True) -> RunSystem:
         f["breakdown"] = breakdown(m.summary, m.stats)
         f["deploy_to_first_token_s"] = m.deploy_to_first_token_s
         f["rss_peak_bytes"] = m.rss_peak_bytes
+        f["host_probe_s"] = [*probe, host_probe()]  # before and after the run
         return f
 
     return run

@@ -296,10 +296,11 @@ def test_a_failing_cell_is_reported_and_the_others_still_run(tmp_path: Path) -> 
     assert (tmp_path / "matrix.json").exists()
 
 
-def test_a_matrix_of_another_system_names_it_in_the_report(tmp_path: Path) -> None:
+def test_a_matrix_of_another_system_names_it_and_shows_each_runs_host_probe(tmp_path: Path) -> None:
     def stand_in(system: str, cell: Cell, cfg: dict, reqs: list, conc: int | None,
                  out: Path) -> dict[str, Any]:  # fmt: skip
-        return _figs(ttft_p50=0.4 if system == "pdserve-nofs" else 1.0)
+        probe = [0.5, 0.55] if system == "pdserve-nofs" else [0.9, 1.2]
+        return _figs(ttft_p50=0.4 if system == "pdserve-nofs" else 1.0) | {"host_probe_s": probe}
 
     res = mx.run_matrix(
         parse_cells("pair/closed8/rag"), tmp_path, run_system=stand_in,
@@ -309,6 +310,9 @@ def test_a_matrix_of_another_system_names_it_in_the_report(tmp_path: Path) -> No
     md = (tmp_path / "report.md").read_text()
     assert "Ratios are `pdserve-nofs` over `peer-connector`" in md
     assert "pdserve over" not in md
+    # each run's host probe, before / after, in its row of the raw figures
+    runs = [ln for ln in md.splitlines() if ln.startswith("| pair/closed8/rag | 1 |")]
+    assert [ln.rsplit("|", 2)[-2].strip() for ln in runs] == ["0.50/0.55", "0.90/1.20"]
     assert mx.main_ratios(res["cells"]["pair/closed8/rag"])["ttft_p50"]["median"] == 0.4
     assert mx.main_system(["pdserve-nofs", "pdserve", "peer-connector"]) == "pdserve"
 
