@@ -794,7 +794,7 @@ def main_system(systems: Sequence[str], reference: str = REFERENCE) -> str | Non
 def main_ratios(cell: Mapping[str, Any]) -> dict[str, Any]:
     """A cell's ratios of its :func:`main_system`."""
     ratios: dict[str, Any] = cell.get("ratios") or {}
-    name = main_system(list(ratios), reference="")
+    name = main_system(list(ratios))  # the reference has no ratios of its own
     return dict(ratios[name]) if name is not None else {}
 
 
