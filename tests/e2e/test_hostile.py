@@ -164,11 +164,15 @@ def test_a_driver_without_the_clusters_token_is_refused_while_the_app_serves(
     a driver with another token, or with none, cannot join it (and so cannot run code on
     it) while the app serves; one with the cluster's token can."""
     address = ray_cluster["address"]
-    ok = _driver(address, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=ray_cluster["token_path"])
+    envs = (  # the three drivers at once: a refused one waits out its connection retries
+        {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": ray_cluster["token_path"]},
+        {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "not-the-token"},
+        {"RAY_AUTH_MODE": "disabled"},
+    )
+    with ThreadPoolExecutor(max_workers=len(envs)) as pool:
+        ok, wrong, none = pool.map(lambda env: _driver(address, **env), envs)
     assert ok.returncode == 0 and "CONNECTED 8" in ok.stdout, ok.stderr[-2000:]
-    wrong = _driver(address, RAY_AUTH_MODE="token", RAY_AUTH_TOKEN="not-the-token")
     assert wrong.returncode == 3 and "REFUSED" in wrong.stdout, wrong.stdout + wrong.stderr[-800:]
-    none = _driver(address, RAY_AUTH_MODE="disabled")
     assert none.returncode == 3 and "REFUSED" in none.stdout, none.stdout + none.stderr[-800:]
     r = httpx.get(f"{pd_app['url']}/health", timeout=30)
     assert r.status_code == 200  # the app served throughout
