@@ -60,7 +60,8 @@ def test_each_engine_runs_on_the_runtime_asked_for(pd_app: dict[str, Any]) -> No
     rows = _stats(pd_app)["replicas"]
     for role in ("prefill", "decode"):
         counted = rows[role][0]["scheduler"]
-        assert set(counted) == {"lanes", "chunk_reorders", "chunk_sit_outs"}, counted
+        keys = {"lanes", "chunk_reorders", "chunk_sit_outs", "chunk_yields"}
+        assert set(counted) == keys, counted
 
 
 def test_serves_proxy_and_both_engines_run_on_rays_jemalloc(pd_app: dict[str, Any]) -> None:

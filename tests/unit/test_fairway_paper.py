@@ -169,3 +169,52 @@ def test_fairway_declares_its_lanes_and_the_plain_orders_do_not() -> None:
     for name in ("fcfs", "lpm", "fairway+fair_share", "fairway_xstep"):
         policy = make_prefill_policy(name, _profile(), FairwayConfig())
         assert getattr(policy, "order_with_lanes", None) is None, name
+
+
+# --- a prompt in progress as the Fair lane's front (yield_running_chunks) ---------------
+
+
+def test_hits_go_ahead_of_a_chunk_as_the_ledger_allows() -> None:
+    """A running miss's next chunk of 512 tokens is the Fair lane's front; waiting hits of
+    96 uncached tokens each, weight 4: the ledger starts at 384 <= 512, places the first
+    (768), then stops: one hit per step. The paper's own figure, with M's 6,000 tokens as
+    the chunk and hits of 300 (the step's half as the limit no bar): five hits, 1,500."""
+    from controllers.prefill.fairway import work_ahead_of_chunk
+
+    assert work_ahead_of_chunk(512, [96, 96, 96], 4.0, 256) == 96
+    assert work_ahead_of_chunk(6000, [300] * 8, 4.0, 10_000) == 1500
+    # a front that costs more than the chunk at its weight goes after it (vLLM's rule)
+    assert work_ahead_of_chunk(512, [200, 10], 4.0, 256) == 0
+    # nothing waits, or no chunk: nothing ahead
+    assert work_ahead_of_chunk(512, [], 4.0, 256) == 0
+    assert work_ahead_of_chunk(0, [10], 4.0, 256) == 0
+    # a cheap front, then one that would not fit whole in the limit with it: only the front
+    assert work_ahead_of_chunk(2048, [10, 300], 4.0, 256) == 10
+    # near its end the prompt in progress lets little ahead: its chunk is what is left
+    assert work_ahead_of_chunk(40, [16, 16], 4.0, 256) == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(1, 8192),
+    st.lists(st.integers(0, 4000), max_size=30),
+    st.sampled_from([1.0, 2.0, 4.0, 8.0]),
+    st.integers(1, 4096),
+)
+def test_work_ahead_of_a_chunk_is_bounded_and_fits(
+    chunk: int, works: list[int], weight: float, limit: int
+) -> None:
+    """The paper's bound per step: the work ahead of the chunk is at most the chunk's work
+    over the weight plus one request's; and it always fits in ``limit``, made of whole
+    requests from the front of the order."""
+    from controllers.prefill.fairway import work_ahead_of_chunk
+
+    ahead = work_ahead_of_chunk(chunk, works, weight, limit)
+    assert 0 <= ahead <= limit
+    placed, total = 0, 0
+    while placed < len(works) and total < ahead:
+        total += max(1, works[placed])
+        placed += 1
+    assert total == ahead  # a prefix of the order, whole requests
+    overshoot = max((max(1, w) for w in works[:placed]), default=0)
+    assert ahead <= chunk / weight + overshoot
