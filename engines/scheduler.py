@@ -90,8 +90,8 @@ _NEEDS_PROFILE = ("fairway", "peek")
 #: the least a step-time target lowers a step's budget to (``step_target_s``): four blocks
 #: of 16, and below it a step's fixed cost is most of its time
 STEP_FLOOR_TOKENS = 64
-#: waiting requests the running chunks' yield looks at (``yield_running_chunks``): more could
-#: not go ahead of a chunk by Fairway's charges (each costs at least its weight in tokens)
+#: waiting requests the running chunks' yield looks at (``yield_running_chunks``), a bound on
+#: its cost per step: past them the rest of the order waits for a later step
 _YIELD_LOOKAHEAD = 64
 
 
