@@ -491,12 +491,14 @@ class PdserveSchedulerMixin:
     def _yield_cap(self) -> int | None:
         """This step's cap on each running prompt's chunk (vLLM's
         ``long_prefill_token_threshold``) that leaves room for the front of the waiting
-        order, as far as Fairway's work charges place it ahead of the first prompt in
-        progress (:func:`controllers.prefill.fairway.work_ahead_of_chunk`, at most half the
-        step); None when nothing goes ahead. With several prompts in progress each gets an
-        equal part of the rest (vLLM's cap is per request)."""
+        order, as far as Fairway's work charges place it ahead of the prompt in progress
+        (:func:`controllers.prefill.fairway.work_ahead_of_chunk`, at most half the step);
+        None when nothing goes ahead. Only with one prompt in progress: vLLM's cap is per
+        request, so with two it would have to halve each and leave the step part empty
+        when one is near its end (measured: misses' TTFT +30%, p99 +40% in issue 39's
+        ``pair/closed8/rag``, docs/design/matrix_39_causes.md)."""
         chunks = [r for r in self.running if r.is_prefill_chunk]
-        if not chunks:
+        if len(chunks) != 1:
             return None
         budget = int(self.max_num_scheduled_tokens)
         first = chunks[0]
@@ -511,7 +513,7 @@ class PdserveSchedulerMixin:
         if ahead == 0:
             return None
         self._chunk_yields += 1
-        return max(1, (budget - ahead) // len(chunks))
+        return budget - ahead
 
     def _can_start(self, sit_out: frozenset[str]) -> str | None:
         """The id of the first waiting request outside ``sit_out`` if it can start this
