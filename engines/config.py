@@ -48,14 +48,6 @@ class EngineSchedulerConfig(BaseModel):
     fairway: FairwayConfig = Field(
         default_factory=FairwayConfig, description="Fairway's parameters (paper values)."
     )
-    yield_running_chunks: bool = Field(
-        default=False,
-        description="A prompt in progress (running in chunks) lets the front of the waiting "
-        "order go ahead of its next chunk, as far as Fairway's work charges allow "
-        "(controllers.prefill.fairway.work_ahead_of_chunk: the chunk is the Fair lane's "
-        "front, at most half the step goes ahead); off: vLLM's rule, running requests first, "
-        "so a cached request waits for a started miss's last chunk.",
-    )
     gate: Literal["default", "none", "twp"] = Field(
         default="default",
         description="Admission gate: twp (Token Window Pacing), none, or the class default.",

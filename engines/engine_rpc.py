@@ -101,7 +101,6 @@ def report(s: Any) -> dict[str, Any]:
             "lanes": dict(s._lanes),  # the waiting queue's lanes at its last ordering
             "chunk_reorders": int(s._chunk_reorders),  # steps whose chunks the share ordered
             "chunk_sit_outs": int(s._chunk_sit_outs),  # a tenant's chunks sat a step out
-            "chunk_yields": int(s._chunk_yields),  # steps a prompt in progress let some ahead
         }
     return out
 

@@ -77,7 +77,6 @@ from controllers.prefill import (
     patience_s,
 )
 from controllers.prefill.fairshare import ChunkTurns
-from controllers.prefill.fairway import work_ahead_of_chunk
 from controllers.prefill.registry import FAIR_SHARE_SUFFIX
 from controllers.profile import EngineProfile
 from engines.config import EngineSchedulerConfig, engine_config_from_vllm
@@ -90,9 +89,6 @@ _NEEDS_PROFILE = ("fairway", "peek")
 #: the least a step-time target lowers a step's budget to (``step_target_s``): four blocks
 #: of 16, and below it a step's fixed cost is most of its time
 STEP_FLOOR_TOKENS = 64
-#: waiting requests the running chunks' yield looks at (``yield_running_chunks``), a bound on
-#: its cost per step: past them the rest of the order waits for a later step
-_YIELD_LOOKAHEAD = 64
 
 
 @dataclass(slots=True)
@@ -234,7 +230,6 @@ class PdserveSchedulerMixin:
         self._cached: dict[str, int] = {}
         self._chunk_reorders = 0
         self._chunk_sit_outs = 0
-        self._chunk_yields = 0
         self._sat_failed: str | None = None
         self._token_load = 0
         self.last_state: dict[str, Any] = {}
@@ -300,19 +295,12 @@ class PdserveSchedulerMixin:
         n_waiting = len(self.waiting)
         held = self._before_schedule(t0) if n_waiting else []
         turns: _Turns | None = None
-        scfg = self.scheduler_config
-        threshold = scfg.long_prefill_token_threshold
         try:
             if self._chunk_turns is not None:
                 turns = self._take_turns(held)
-            if self.pd_config.yield_running_chunks and self.waiting and self.prefill is not None:
-                cap = self._yield_cap()
-                if cap is not None:
-                    scfg.long_prefill_token_threshold = min(cap, threshold or cap)
             t1 = self.clock()
             out = super().schedule(*args, **kwargs)  # type: ignore[misc]
         finally:
-            scfg.long_prefill_token_threshold = threshold
             if held:
                 self.waiting.extend(held)
             if turns is not None:
@@ -487,33 +475,6 @@ class PdserveSchedulerMixin:
             self._chunk_reorders += 1
         self.running = now
         return _Turns(before, sat, first)
-
-    def _yield_cap(self) -> int | None:
-        """This step's cap on each running prompt's chunk (vLLM's
-        ``long_prefill_token_threshold``) that leaves room for the front of the waiting
-        order, as far as Fairway's work charges place it ahead of the prompt in progress
-        (:func:`controllers.prefill.fairway.work_ahead_of_chunk`, at most half the step);
-        None when nothing goes ahead. Only with one prompt in progress: vLLM's cap is per
-        request, so with two it would have to halve each and leave the step part empty
-        when one is near its end (measured: misses' TTFT +30%, p99 +40% in issue 39's
-        ``pair/closed8/rag``, docs/design/matrix_39_causes.md)."""
-        chunks = [r for r in self.running if r.is_prefill_chunk]
-        if len(chunks) != 1:
-            return None
-        budget = int(self.max_num_scheduled_tokens)
-        first = chunks[0]
-        chunk = min(first.num_tokens - first.num_computed_tokens, budget)
-        cached = self._cached
-        works = [
-            r.num_tokens - cached.get(r.request_id, 0)
-            for _, r in zip(range(_YIELD_LOOKAHEAD), self.waiting, strict=False)
-        ]
-        weight = self.pd_config.fairway.fast_lane_weight
-        ahead = work_ahead_of_chunk(chunk, works, weight, budget // 2)
-        if ahead == 0:
-            return None
-        self._chunk_yields += 1
-        return budget - ahead
 
     def _can_start(self, sit_out: frozenset[str]) -> str | None:
         """The id of the first waiting request outside ``sit_out`` if it can start this
@@ -709,7 +670,6 @@ class PdserveSchedulerMixin:
             "step_tokens": int(self.max_num_scheduled_tokens),
             "chunk_reorders": self._chunk_reorders,
             "chunk_sit_outs": self._chunk_sit_outs,
-            "chunk_yields": self._chunk_yields,
         }
 
     def _publish(self, rec: StepRecord) -> None:

@@ -12,9 +12,6 @@ Systems (:data:`SYSTEMS`), each brought up on a fresh local Ray head and torn do
 - ``pdserve-nofs``: ``pdserve`` without the prefill scheduler's fair share among tenants in
   ``multi_tenant`` matrix cells (Fairway alone, as the paper has it): what the fair share
   costs the flooding tenant and buys the quiet one.
-- ``pdserve-noyield``: ``pdserve`` with ``yield_running_chunks`` off: a prompt in progress
-  runs its chunks before any waiting request, as vLLM has it (what the yield buys cached
-  requests and costs misses).
 - ``pdserve-async``: ``pdserve`` with both engines on ``runtime: async_llm`` (vLLM's
   ``AsyncLLM``, engine core in its own process) instead of the CPU default, the in-process
   engine: the runtime comparison of issue 14.
@@ -91,8 +88,6 @@ class System:
     #: the prefill scheduler's fair share among tenants where the run has tenants (the
     #: matrix's ``multi_tenant`` cells, :func:`bench.live.matrix.tenant_config`)
     fair_share: bool = True
-    #: the prefill scheduler's ``yield_running_chunks`` (None: the base config's own)
-    yield_chunks: bool | None = None
 
 
 SYSTEMS: dict[str, System] = {
@@ -104,11 +99,6 @@ SYSTEMS: dict[str, System] = {
     "pdserve-twp": System("pdserve", None, TWP, about="TWP only, index routing"),
     "pdserve-nofs": System(
         "pdserve", fair_share=False, about="Fairway + TWP + index routing, no tenants' fair share"
-    ),
-    "pdserve-noyield": System(
-        "pdserve",
-        yield_chunks=False,
-        about="Fairway + TWP + index routing, running prompts' chunks first (vLLM's rule)",
     ),
     "pdserve-async": System(
         "pdserve", runtime="async_llm", about="Fairway + TWP + index routing, engines on AsyncLLM"
@@ -130,9 +120,6 @@ def pdserve_config(base: Mapping[str, Any], system: System) -> dict[str, Any]:
             eng.pop("scheduler_config", None)  # the stock scheduler takes none
         if system.runtime != "auto":
             eng["runtime"] = system.runtime
-    if system.yield_chunks is not None and system.prefill_scheduler is not None:
-        sc = args["prefill"].setdefault("scheduler_config", {})
-        sc["yield_running_chunks"] = system.yield_chunks
     args.setdefault("routing", {})["policy"] = system.routing
     return raw
 

@@ -153,39 +153,3 @@ class Fairway:
         """The order and each request's lane, ``fast`` or ``fair`` (:class:`LanedPolicy`)."""
         plan = self.plan(queue, now)
         return plan.order, ["fast" if lane == FAST else "fair" for lane in plan.lanes]
-
-
-def work_ahead_of_chunk(
-    chunk: int, order_work: list[int], fast_lane_weight: float, limit: int
-) -> int:
-    """Tokens of waiting requests that go ahead of a prompt in progress this step.
-
-    The paper's engine continues running requests first ("M is now running and continues
-    first in the following steps"), so once a long miss has started, a cached request that
-    arrives behind it waits for its last chunk whatever Fairway's order says: on a slow
-    engine that is seconds (issue 39's ``pair/closed8/rag``: hits sent while a miss was in
-    flight waited 4.3 s at the median against 2.2 s for the others). Our choice, where the
-    paper is silent on a step's running chunks: each step, the prompt in progress counts as
-    the Fair lane's front with its next ``chunk`` tokens as its work, and the requests at the
-    front of the waiting order (``order_work``: their uncached tokens, in the policy's order)
-    are placed ahead of it by the Fast lane's work charges: the ledger starts at
-    ``fast_lane_weight`` times the front's work, each placement adds its work times the
-    weight, and placing stops once the ledger passes ``chunk``.
-
-    Each request placed must fit whole in ``limit`` together with those before it (it then
-    finishes in this step instead of becoming a second prompt in progress), so the prompt
-    in progress keeps at least the step less ``limit``. The paper's bound holds per step:
-    the work ahead of the chunk is at most ``chunk / fast_lane_weight`` plus one request's.
-    Returns the tokens placed ahead (0: the prompt in progress goes first, as in vLLM).
-    """
-    if chunk <= 0 or not order_work:
-        return 0
-    ledger = fast_lane_weight * max(1, order_work[0])
-    ahead = 0
-    for w in order_work:
-        w = max(1, w)
-        if ledger > chunk or ahead + w > limit:
-            break
-        ahead += w
-        ledger += fast_lane_weight * w
-    return ahead

@@ -94,7 +94,6 @@ def _ports() -> Any:
         ("pdserve-fairway", "FairwayScheduler", None, "prefix_load"),
         ("pdserve-twp", None, "TWPScheduler", "prefix_load"),
         ("pdserve-async", "FairwayScheduler", "TWPScheduler", "prefix_load"),
-        ("pdserve-noyield", "FairwayScheduler", "TWPScheduler", "prefix_load"),
     ],
 )
 def test_each_pdserve_variant_is_a_valid_app_with_its_schedulers_and_routing(
@@ -111,14 +110,6 @@ def test_each_pdserve_variant_is_a_valid_app_with_its_schedulers_and_routing(
     assert cfg.prefill.num_replicas == 2  # the base's replica counts stay
     runtime = "async_llm" if name == "pdserve-async" else "in_process"  # CPU: auto is in_process
     assert cfg.prefill.resolved_runtime == cfg.decode.resolved_runtime == runtime
-    # only pdserve-noyield sets the running chunks' yield (off); the stock scheduler takes no
-    # scheduler_config, the others keep the base's
-    sc = raw["applications"][0]["args"]["prefill"].get("scheduler_config")
-    own = base["applications"][0]["args"]["prefill"]["scheduler_config"]["yield_running_chunks"]
-    if prefill is None:
-        assert sc is None
-    else:
-        assert sc["yield_running_chunks"] is (False if name == "pdserve-noyield" else own)
     # the base config is left as it was
     assert base["applications"][0]["args"]["prefill"]["scheduler_cls"] == (
         "engines.scheduler.FairwayScheduler"

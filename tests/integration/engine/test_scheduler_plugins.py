@@ -294,37 +294,6 @@ def test_a_floods_running_chunks_yield_to_a_lighter_tenants_request(pd_engine: P
     pd_engine.configure(prefill_policy="fcfs")
 
 
-def test_a_cached_request_goes_ahead_of_a_running_misss_next_chunk(pd_engine: PdEngine) -> None:
-    """One tenant. A 1,536-token miss runs in chunks of 128 (``step_tokens``); after two of
-    them a request arrives whose 1,024-token prefix is cached, 16 tokens to compute. With
-    ``yield_running_chunks`` the miss's next chunk is Fairway's Fair-lane front: 4 x 16 <=
-    128, so the hit rides the next step beside a shorter chunk and its first token comes
-    before the miss's; off, vLLM's running-first rule, it waits for the miss's last chunk.
-    Every step stays within 128 tokens, and the miss completes either way."""
-    rng = random.Random(17)
-    hit_first: dict[bool, bool] = {}
-    for on in (True, False):
-        sched = pd_engine.configure(
-            prefill_policy="fairway", step_tokens=128, yield_running_chunks=on
-        )
-        prefix = _tokens(rng, 1024)
-        _warm(pd_engine, prefix)
-        miss, hit = f"miss-{on}", f"hit-{on}"
-        pd_engine.add(miss, _tokens(rng, 1536), max_tokens=1)
-        run = Run()
-        for _ in range(2):
-            assert not pd_engine.step()
-        pd_engine.add(hit, prefix + _tokens(rng, 16), max_tokens=1)
-        pd_engine.drain(run)
-        assert miss in run.outputs and hit in run.outputs
-        hit_first[on] = run.first_token_ts(hit) < run.first_token_ts(miss)
-        assert (sched.state()["chunk_yields"] > 0) is on
-        assert max(r.scheduled_tokens for r in sched.records) <= 128
-        sched.records.clear()
-    assert hit_first == {True: True, False: False}
-    pd_engine.configure(prefill_policy="fcfs")
-
-
 def test_a_prompt_running_in_chunks_stays_in_the_load_report(pd_engine: PdEngine) -> None:
     """A 1,536-token prompt in chunks of 128 leaves vLLM's waiting queue with its first
     chunk. The load report the router, the ingress's token bound and the autoscaler read
