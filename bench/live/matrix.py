@@ -646,6 +646,7 @@ def run_matrix(
         rec: dict[str, Any] = {"system": system, "repeat": rep, "seed": seed + rep, "rate": rate}
         if code is not None:
             rec["code"] = code
+        t0 = clock()
         try:
             cfg = layout_config(base, cell.layout)
             rec["figures"] = run_system(
@@ -654,6 +655,7 @@ def run_matrix(
         except Exception as e:  # noqa: BLE001 - reported; the other runs go on
             rec["figures"] = None
             rec["error"] = f"{type(e).__name__}: {e}"[:500]
+        rec["run_s"] = round(clock() - t0, 1)  # head, deploy, replay, down: for the estimate
         bar.update(1)
         if on_run is not None:
             on_run({"cell": cell.name, **rec})
@@ -824,6 +826,7 @@ def report(res: Mapping[str, Any], out: Path) -> list[Path]:
         f"- cells with every run done: {len(measured)} of {len(all_cells())}"
         + (f"; stopped: {res['stopped']}" if res.get("stopped") else "")
     )
+    lines.append(runs_left_line(res))
     codes = collections.Counter(
         r.get("code") or "not recorded"
         for r in [*(res.get("capacity_runs") or []),
@@ -900,6 +903,36 @@ def report(res: Mapping[str, Any], out: Path) -> list[Path]:
     (out / "report.md").write_text("\n".join(lines))
     heatmap(res, out / "heatmap.png", metrics)
     return [out / "report.md", out / "heatmap.png"]
+
+
+def runs_left_line(res: Mapping[str, Any]) -> str:
+    """How many runs the whole matrix still lacks at ``res``'s repeats, and about how long
+    they take at the median time of the runs so far that recorded one (``run_s``: a fresh
+    head, the deploy, the replay and the teardown). The estimate is rough: an open cell at
+    0.5x runs about twice as long as one at 0.9x, and the runs so far are mostly not those."""
+    systems, reps = list(res["systems"]), int(res["repeats"])
+    left = 0
+    for cell in all_cells():
+        runs = (res["cells"].get(cell.name) or {}).get("runs") or []
+        have = {(r["repeat"], r["system"]) for r in runs if r.get("figures")}
+        left += sum(1 for rep in range(reps) for s in systems if (rep, s) not in have)
+    timed = [
+        float(r["run_s"])
+        for r in [*(res.get("capacity_runs") or []),
+                  *(r for c in res["cells"].values() for r in c.get("runs") or [])]
+        if r.get("run_s") is not None
+    ]  # fmt: skip
+    line = (
+        f"- runs left for all {len(all_cells())} cells at {reps} "
+        f"repeat{'s' if reps != 1 else ''}: {left}"
+    )
+    if left and timed:
+        per = statistics.median(timed)
+        line += (
+            f"; about {left * per / 3600:.1f} h at the median run so far "
+            f"({per / 60:.1f} min, of {len(timed)} runs with their time recorded)"
+        )
+    return line
 
 
 def breakdown_table(res: Mapping[str, Any]) -> list[str]:

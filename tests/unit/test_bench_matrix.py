@@ -489,6 +489,13 @@ def test_a_budget_stops_the_matrix_and_resume_runs_only_what_it_lacks(tmp_path: 
     md = (tmp_path / "report.md").read_text()
     assert "cells with every run done: 0 of 32; stopped: budget" in md
     assert "abc1234 (4)" in md
+    # 64 runs make the whole matrix at one repeat, two have figures; every run so far took
+    # the stand-in clock's minute (the failed one too): 62 minutes left
+    assert all(r["run_s"] == 60.0 for r in res["capacity_runs"])
+    assert (
+        "runs left for all 32 cells at 1 repeat: 62; about 1.0 h at the median run so far "
+        "(1.0 min, of 4 runs with their time recorded)" in md
+    )
 
     # Resume with two repeats: the capacity is not measured again, and a new capacity would
     # not change the open cell's rate (every repeat keeps the same arrivals' rate); the
