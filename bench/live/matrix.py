@@ -766,8 +766,7 @@ def summarize_cell(
     ratios = {s: cell_ratios(runs, s) for s in others}
     paired = max((int(v["throughput"]["n"]) for v in ratios.values()), default=0)
     status = "ok" if not failed else ("partial" if paired else "failed")
-    measured = {(r["repeat"], r["system"]) for r in runs if r.get("figures") is not None}
-    if status == "ok" and repeats is not None and len(measured) < repeats * len(systems):
+    if status == "ok" and repeats is not None and len(_measured(runs)) < repeats * len(systems):
         status = "incomplete"
     med = {m: v["median"] for m, v in main_ratios({"ratios": ratios}).items()}
     out: dict[str, Any] = {
@@ -783,6 +782,19 @@ def summarize_cell(
 
 # ---------------------------------------------------------------------------------------------
 # Report
+
+
+def _measured(runs: Sequence[Mapping[str, Any]]) -> set[tuple[int, str]]:
+    """``(repeat, system)`` of the runs that have figures."""
+    return {(r["repeat"], r["system"]) for r in runs if r.get("figures") is not None}
+
+
+def _every_run(res: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """The capacity runs, then every cell's runs."""
+    return [
+        *(res.get("capacity_runs") or []),
+        *(r for c in res["cells"].values() for r in c.get("runs") or []),
+    ]
 
 
 def main_system(systems: Sequence[str], reference: str = REFERENCE) -> str | None:
@@ -827,11 +839,7 @@ def report(res: Mapping[str, Any], out: Path) -> list[Path]:
         + (f"; stopped: {res['stopped']}" if res.get("stopped") else "")
     )
     lines.append(runs_left_line(res))
-    codes = collections.Counter(
-        r.get("code") or "not recorded"
-        for r in [*(res.get("capacity_runs") or []),
-                  *(r for c in cells.values() for r in c.get("runs") or [])]
-    )  # fmt: skip
+    codes = collections.Counter(r.get("code") or "not recorded" for r in _every_run(res))
     if codes:
         lines.append(
             "- code measured (runs): " + ", ".join(f"{k} ({v})" for k, v in codes.most_common())
@@ -913,15 +921,9 @@ def runs_left_line(res: Mapping[str, Any]) -> str:
     systems, reps = list(res["systems"]), int(res["repeats"])
     left = 0
     for cell in all_cells():
-        runs = (res["cells"].get(cell.name) or {}).get("runs") or []
-        have = {(r["repeat"], r["system"]) for r in runs if r.get("figures")}
+        have = _measured((res["cells"].get(cell.name) or {}).get("runs") or [])
         left += sum(1 for rep in range(reps) for s in systems if (rep, s) not in have)
-    timed = [
-        float(r["run_s"])
-        for r in [*(res.get("capacity_runs") or []),
-                  *(r for c in res["cells"].values() for r in c.get("runs") or [])]
-        if r.get("run_s") is not None
-    ]  # fmt: skip
+    timed = [float(r["run_s"]) for r in _every_run(res) if r.get("run_s") is not None]
     line = (
         f"- runs left for all {len(all_cells())} cells at {reps} "
         f"repeat{'s' if reps != 1 else ''}: {left}"
