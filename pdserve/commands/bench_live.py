@@ -175,6 +175,7 @@ def _bench_matrix(
     workload: ReplayWorkload,
     resume: bool = False,
     budget_min: float | None = None,
+    redo: bool = False,
 ) -> None:
     """``bench compare --matrix``: checks every option before anything starts (a bad cell
     or system is a usage error naming it), then :func:`bench.live.matrix.run_matrix` with
@@ -212,6 +213,11 @@ def _bench_matrix(
         raise typer.BadParameter(
             f"{', '.join(given)}: with --matrix the cells set the workload and the load",
             param_hint="--matrix",
+        )
+    if redo and not (resume and cells):
+        raise typer.BadParameter(
+            "runs the selected cells again in a matrix run before: needs --resume and --cells",
+            param_hint="--redo",
         )
     if resume:
         try:
@@ -266,6 +272,7 @@ def _bench_matrix(
         notes={"config": str(config), "preset": preset, "cache_pressure": pressure.explain()},
         on_run=said,
         resume=resume,
+        redo=redo,
         budget_s=None if budget_min is None else 60 * budget_min,
         code=code_version(),
     )
@@ -320,6 +327,12 @@ def bench_compare(
         help="With --matrix: start no run after this many minutes; the report says what is "
         "left (--resume goes on).",
     ),
+    redo: bool = typer.Option(
+        False,
+        "--redo",
+        help="With --matrix --resume --cells: run these cells again from nothing (their "
+        "earlier runs are kept aside in matrix.json; an open cell draws its rate anew).",
+    ),
     *,
     workload: ReplayWorkload,
 ) -> None:
@@ -338,10 +351,12 @@ def bench_compare(
     if systems is None:
         systems = ",".join(MATRIX_SYSTEMS if matrix else COMPARE_SYSTEMS)
     if matrix:
-        _bench_matrix(out, config, preset, systems, repeats, cells, workload, resume, budget_min)
+        _bench_matrix(
+            out, config, preset, systems, repeats, cells, workload, resume, budget_min, redo
+        )
         return
-    if resume or budget_min is not None:
-        raise typer.BadParameter("only with --matrix", param_hint="--resume, --budget-min")
+    if resume or budget_min is not None or redo:
+        raise typer.BadParameter("only with --matrix", param_hint="--resume, --budget-min, --redo")
     if workload.trace is not None:
         workload = dataclasses.replace(workload, scenario=None)  # the trace wins
     if not config.exists():

@@ -165,22 +165,82 @@ def test_open_rates_come_from_the_peers_closed_loop_capacity_and_arrivals_are_sh
     assert res["order"] == ["AB", "BA", "AB"]
 
 
-def test_a_missing_capacity_cell_is_run_by_the_reference_alone(tmp_path: Path) -> None:
+def test_an_open_cell_runs_its_closed_cell_whole_first_and_draws_from_every_repeat(
+    tmp_path: Path,
+) -> None:
     calls: list[tuple[str, str]] = []
 
     def stand_in(system: str, cell: Cell, cfg: dict, reqs: list, conc: int | None,
                  out: Path) -> dict[str, Any]:  # fmt: skip
         calls.append((system, cell.name))
-        return _figs(rps=4.0)
+        rep = sum(1 for c in calls if c == (system, cell.name)) - 1
+        return _figs(rps=(4.0, 6.0)[rep] if system == mx.REFERENCE else 9.0)
 
     res = mx.run_matrix(
         parse_cells("two_prefill/open1.2/rag"), tmp_path, run_system=stand_in,
-        build=lambda c, r, s: mx.workload_requests(c, r, s), base=BASE, repeats=1,
+        build=lambda c, r, s: mx.workload_requests(c, r, s), base=BASE, repeats=2,
         progress=False,
     )  # fmt: skip
-    assert calls[0] == (mx.REFERENCE, "two_prefill/closed8/rag")
-    assert res["cells"]["two_prefill/open1.2/rag"]["rate_rps"] == pytest.approx(4.8)
-    assert len(res["capacity_runs"]) == 1 and "two_prefill/closed8/rag" not in res["cells"]
+    closed, opened = "two_prefill/closed8/rag", "two_prefill/open1.2/rag"
+    # the closed cell runs whole, in its AB/BA order, before the open cell
+    assert calls == [
+        ("pdserve", closed), (mx.REFERENCE, closed), (mx.REFERENCE, closed), ("pdserve", closed),
+        ("pdserve", opened), (mx.REFERENCE, opened), (mx.REFERENCE, opened), ("pdserve", opened),
+    ]  # fmt: skip
+    # the median of both repeats (4, 6), not the first run's 4: 1.2 x 5
+    assert res["cells"][opened]["rate_rps"] == pytest.approx(6.0)
+    assert res["cells"][closed]["status"] == "ok" and res["capacity_runs"] == []
+    # no rate from fewer than every repeat of the reference
+    one = [{"system": mx.REFERENCE, "repeat": 0, "figures": _figs(rps=4.0)}]
+    assert mx.closed_capacity(one, 2) is None and mx.closed_capacity(one, 1) == 4.0
+    gap = [*one, {"system": mx.REFERENCE, "repeat": 2, "figures": _figs(rps=6.0)}]
+    assert mx.closed_capacity(gap, 2) is None and mx.closed_capacity(gap, 3) is None
+
+
+def test_redo_runs_cells_again_and_an_open_cell_draws_its_rate_anew(tmp_path: Path) -> None:
+    cap = {"rps": 2.0}
+    ran: list[str] = []
+
+    def stand_in(system: str, cell: Cell, cfg: dict, reqs: list, conc: int | None,
+                 out: Path) -> dict[str, Any]:  # fmt: skip
+        ran.append(cell.name)
+        out.mkdir(parents=True)  # as the live runner's records
+        return _figs(rps=cap["rps"] if system == mx.REFERENCE else 5.0)
+
+    def go(cells: str, **kw: Any) -> dict[str, Any]:
+        ran.clear()
+        return mx.run_matrix(
+            parse_cells(cells), tmp_path, run_system=stand_in,
+            build=lambda c, r, s: mx.workload_requests(c, r, s, limit=4), base=BASE,
+            repeats=1, progress=False, **kw,
+        )  # fmt: skip
+
+    res = go("pair/open0.9/rag")
+    assert res["cells"]["pair/open0.9/rag"]["rate_rps"] == pytest.approx(1.8)
+    # the closed cell again, at a new capacity: the open cell keeps its rate, and the report
+    # says how far it now stands from today's capacity
+    cap["rps"] = 4.0
+    res = go("pair/closed8/rag", resume=True, redo=True)
+    assert ran == ["pair/closed8/rag"] * 2
+    assert res["capacity_rps"]["pair/closed8/rag"] == 4.0
+    assert res["cells"]["pair/open0.9/rag"]["rate_rps"] == pytest.approx(1.8)
+    assert len(res["replaced"]["pair/closed8/rag"]) == 1
+    assert (tmp_path / "pair-closed8-rag.replaced1" / "r0-pdserve").is_dir()
+    assert (tmp_path / "pair-closed8-rag" / "r0-pdserve").is_dir()
+    md = (tmp_path / "report.md").read_text()
+    assert "pair/open0.9/rag drawn at 2.000 (now 4.000, 0.50x)" in md
+    # the open cell again: its rate from today's capacity, and no drift left to report
+    res = go("pair/open0.9/rag", resume=True, redo=True)
+    assert ran == ["pair/open0.9/rag"] * 2
+    assert res["cells"]["pair/open0.9/rag"]["rate_rps"] == pytest.approx(3.6)
+    assert res["replaced"]["pair/open0.9/rag"][0]["rate_rps"] == pytest.approx(1.8)
+    assert len(res["replaced"]["pair/closed8/rag"]) == 1  # earlier attempts are kept
+    md = (tmp_path / "report.md").read_text()
+    assert "drawn at" not in md and "pair/closed8/rag (1x), pair/open0.9/rag (1x)" in md
+    # the CLI: --redo needs a matrix to resume and the cells to run again
+    for args in (["--redo"], ["--redo", "--resume"], ["--redo", "--cells", "pair/closed8/rag"]):
+        r = runner.invoke(app, ["bench", "compare", "--matrix", "--out", str(tmp_path), *args])
+        assert r.exit_code == 2 and "needs --resume and --cells" in r.output, r.output
 
 
 def _figs(rps: float = 1.0, **over: float | None) -> dict[str, Any]:
@@ -277,7 +337,7 @@ def test_a_failing_cell_is_reported_and_the_others_still_run(tmp_path: Path) -> 
     assert "serve run failed" in c["pair/closed8/multi_tenant"]["errors"][0]
     assert c["two_prefill/closed8/rag"]["status"] == "ok"
     assert c["pair/open0.9/rag"]["status"] == "ok"  # capacity from the peer's own runs
-    assert len(ran) == 1 + 3 * 2 * 2  # pair/closed8/rag's capacity run, then every run
+    assert len(ran) == 4 * 2 * 2  # pair/closed8/rag runs whole first, then every cell
     rag = c["two_prefill/closed8/rag"]
     assert rag["ratios"]["pdserve"]["ttft_p50"]["median"] == 0.5
     assert rag["goals"]["ttft_p50 <= 1.0x"] is True
@@ -475,26 +535,27 @@ def test_a_budget_stops_the_matrix_and_resume_runs_only_what_it_lacks(tmp_path: 
         return mx.workload_requests(cell, rate, seed, limit=6)
 
     cells = parse_cells("pair/open0.5/rag,two_prefill/closed8/rag")
-    # the capacity run (pair/closed8/rag) and 3 runs fit in 4 minutes: the 5th never starts
+    # the closed cells first (pair/closed8/rag for the open cell's rate), then the open one:
+    # 5 runs fit in 5 minutes, the 6th never starts
     res = mx.run_matrix(
         cells, tmp_path, run_system=stand_in, build=build, base=BASE, repeats=1,
-        progress=False, budget_s=240.0, clock=clock, code="abc1234",
+        progress=False, budget_s=300.0, clock=clock, code="abc1234",
     )  # fmt: skip
-    assert len(ran) == 4 and "budget" in res["stopped"]
+    assert len(ran) == 5 and "budget" in res["stopped"]
     c = res["cells"]
     assert c["two_prefill/closed8/rag"]["status"] == "failed"  # pdserve failed: no pair
     assert c["pair/open0.5/rag"]["status"] == "incomplete"  # pdserve ran, the peer not yet
     assert c["pair/open0.5/rag"]["rate_rps"] == pytest.approx(1.0)
     assert all(r["code"] == "abc1234" for r in c["pair/open0.5/rag"]["runs"])
     md = (tmp_path / "report.md").read_text()
-    assert "cells with every run done: 0 of 32; stopped: budget" in md
-    assert "abc1234 (4)" in md
-    # 64 runs make the whole matrix at one repeat, two have figures; every run so far took
-    # the stand-in clock's minute (the failed one too): 62 minutes left
-    assert all(r["run_s"] == 60.0 for r in res["capacity_runs"])
+    assert "cells with every run done: 1 of 32; stopped: budget" in md  # pair/closed8/rag
+    assert "abc1234 (5)" in md
+    # 64 runs make the whole matrix at one repeat, four have figures; every run so far took
+    # the stand-in clock's minute (the failed one too): 60 minutes left
+    assert all(r["run_s"] == 60.0 for r in c["pair/closed8/rag"]["runs"])
     assert (
-        "runs left for all 32 cells at 1 repeat: 62; about 1.0 h at the median run so far "
-        "(1.0 min, of 4 runs with their time recorded)" in md
+        "runs left for all 32 cells at 1 repeat: 60; about 1.0 h at the median run so far "
+        "(1.0 min, of 5 runs with their time recorded)" in md
     )
 
     # Resume with two repeats: the capacity is not measured again, and a new capacity would
@@ -523,7 +584,7 @@ def test_a_budget_stops_the_matrix_and_resume_runs_only_what_it_lacks(tmp_path: 
     assert "two_prefill/closed8/rag" in c and len(c["two_prefill/closed8/rag"]["runs"]) == 1
     assert "stopped" not in res
     md = (tmp_path / "report.md").read_text()
-    assert "abc1234 (3)" in md and "def5678 (3)" in md
+    assert "abc1234 (4)" in md and "def5678 (3)" in md
     ran.clear()
     res = mx.run_matrix(
         parse_cells("two_prefill/closed8/rag"), tmp_path, run_system=stand_in, build=build,
