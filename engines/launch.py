@@ -85,6 +85,11 @@ class KVTransfer(_Strict):
     load_failure_policy: LoadFailurePolicy = Field(
         default="recompute", description="What a consumer does when a KV load fails."
     )
+    core_pin: bool = Field(
+        default=False,
+        description="Keep vLLM's pin of the engine's thread to the last core (CPU only; "
+        "engines.nixl_connector undoes it by default).",
+    )
     fault_injection: bool = Field(
         default=False,
         description="Let tests make this engine's next KV reads fail on purpose "
@@ -234,6 +239,21 @@ class EngineLaunch(EngineSettings):
         return self
 
 
+def engine_cpus(cpu_bind: str, allowed: set[int]) -> set[int] | None:
+    """The CPUs an in-process engine's step thread runs on: ``cpu_bind``'s list (``"0"``,
+    ``"0-1"``, ``"0,2-3"``) within ``allowed`` (the process's); None for ``auto`` and
+    ``nobind``, or a list naming none of ``allowed`` (the thread keeps what it inherits).
+    vLLM applies ``VLLM_CPU_OMP_THREADS_BIND`` only in the worker processes its
+    multiprocess executor starts, so without this an in-process engine ignores it."""
+    if cpu_bind in ("auto", "nobind"):
+        return None
+    cpus: set[int] = set()
+    for part in cpu_bind.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return (cpus & allowed) or None
+
+
 def launch_env(launch: EngineLaunch) -> dict[str, str | None]:
     """Environment of the engine's process; ``None`` means the variable must be unset.
 
@@ -306,6 +326,7 @@ def engine_args(launch: EngineLaunch) -> dict[str, Any]:
             "kv_connector_extra_config": {
                 "nixl_progress_thread": t.progress_thread,
                 "nixl_progress_poll_us": t.progress_poll_us,
+                "nixl_core_pin": t.core_pin,
                 "pdserve_fault_injection": t.fault_injection,
             },
         }

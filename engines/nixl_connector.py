@@ -34,6 +34,17 @@ wait was a quarter of the TTFT. At one poll a millisecond the thread costs a few
 core. ``0`` turns the thread off (progress at engine steps only, the previous behaviour).
 Nothing installed is patched beyond that one constructor swap.
 
+**No core pin** (``nixl_core_pin``, False by default). On CPU, vLLM's NIXL worker calls
+``os.sched_setaffinity(0, [last core of each NUMA node])`` when it is built ("reserve different
+cores for start_load_kv() from model_forward()"). That pins the thread building it, which is
+the thread that then runs the model's forward (the worker's main thread; an in-process
+engine's builder, whose step thread and event loop inherit the pin), so on a 2-core node every
+engine ran on core 1 and core 0 held none, whatever ``cpu_bind`` said (issue 39: measured in
+``ps``, every engine thread of pdserve and of the peer on core 1). This connector gives the
+thread back the CPUs it had before the worker was built; ``cpu_bind`` then places the engine
+(vLLM's OMP binding in its worker process, :class:`engines.runtime.InProcessEngine` for its
+step thread). ``True`` keeps vLLM's pin, for before/after measurements.
+
 **Early release** (:meth:`NixlConnector.release_kv`). A prefill engine keeps a finished
 request's blocks until a decode engine has pulled them (its NIXL notification) or the lease
 runs out (``kv_lease_duration``, 30 s; decode engines holding the request send heartbeats).
@@ -48,6 +59,7 @@ sending``). The caller must know that no decode engine reads those blocks.
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import TYPE_CHECKING, Any
 
@@ -69,6 +81,9 @@ PROGRESS_THREAD_KEY = "nixl_progress_thread"
 PROGRESS_POLL_KEY = "nixl_progress_poll_us"
 #: its default
 DEFAULT_PROGRESS_POLL_US = 1000
+#: ``kv_connector_extra_config`` key: ``True`` keeps vLLM's pin of the building thread to the
+#: last core (see the module docstring); ``False`` (the default) gives its CPUs back.
+CORE_PIN_KEY = "nixl_core_pin"
 #: ``kv_connector_extra_config`` key: ``True`` lets tests fail this process's next KV reads
 #: (:func:`fail_next_reads`); off in production.
 FAULT_INJECTION_KEY = "pdserve_fault_injection"
@@ -184,6 +199,18 @@ def rebuild_agent_without_progress_thread(worker: Any, poll_us: int = 0) -> None
         logger.info("pdserve: NIXL agent %s rebuilt without its progress thread", name)
 
 
+def give_back_cpus(cpus: set[int]) -> bool:
+    """Set the calling thread's CPUs back to ``cpus`` when something (vLLM's NIXL worker) has
+    narrowed them; whether it did. Threads started meanwhile keep what they inherited."""
+    now = os.sched_getaffinity(0)
+    if now == cpus:
+        return False
+    os.sched_setaffinity(0, cpus)
+    logger.info("pdserve: vLLM's NIXL worker pinned this thread to CPUs %s; back to %s",
+                sorted(now), sorted(cpus))  # fmt: skip
+    return True
+
+
 #: metadata attribute carrying the request ids whose lease the worker ends (early release)
 RELEASE_ATTR = "pdserve_release"
 #: how long the worker keeps looking for a released request it has not seen yet (its
@@ -215,7 +242,8 @@ class NixlConnector(NixlPullConnector):
     Contract: identical to vLLM's ``NixlConnector`` (roles ``kv_producer`` / ``kv_consumer``,
     ``kv_transfer_params`` in and out); only the agent's threading differs. Set
     ``kv_connector_extra_config["nixl_progress_thread"] = True`` to keep the stock thread, and
-    ``["nixl_progress_poll_us"]`` to pace the replacement (0: none).
+    ``["nixl_progress_poll_us"]`` to pace the replacement (0: none); its building thread keeps
+    its CPUs unless ``["nixl_core_pin"]`` (the module docstring).
     """
 
     def __init__(
@@ -224,9 +252,12 @@ class NixlConnector(NixlPullConnector):
         role: KVConnectorRole,
         kv_cache_config: KVCacheConfig,
     ) -> None:
-        super().__init__(vllm_config, role, kv_cache_config)
         ktc = vllm_config.kv_transfer_config
         assert ktc is not None
+        cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+        super().__init__(vllm_config, role, kv_cache_config)
+        if cpus is not None and not ktc.get_from_extra_config(CORE_PIN_KEY, False):
+            give_back_cpus(cpus)
         keep_thread = bool(ktc.get_from_extra_config(PROGRESS_THREAD_KEY, False))
         poll_us = int(ktc.get_from_extra_config(PROGRESS_POLL_KEY, DEFAULT_PROGRESS_POLL_US))
         if role == KVConnectorRole.WORKER and self.connector_worker is not None and not keep_thread:

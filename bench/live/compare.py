@@ -18,6 +18,9 @@ Systems (:data:`SYSTEMS`), each brought up on a fresh local Ray head and torn do
 - ``peer``: Ray Serve LLM's ``build_pd_openai_app`` with its ``PrefixCacheAffinityRouter`` on
   both roles and vLLM's stock ``NixlConnector``, whose NIXL progress thread spins one core per
   engine (vLLM exposes no setting for it).
+- ``pdserve-pinned`` and ``peer-connector-pinned``: each with vLLM's pin of every engine to
+  the last core kept (``nixl_core_pin``, :mod:`engines.nixl_connector`): what every run
+  measured before issue 39 found it.
 - ``peer-connector``: the same with the project's connector (``engines.nixl_connector``,
   progress thread off), which is what pdserve's engines run: the like-for-like reference, and
   the denominator of every ratio.
@@ -88,6 +91,9 @@ class System:
     #: the prefill scheduler's fair share among tenants where the run has tenants (the
     #: matrix's ``multi_tenant`` cells, :func:`bench.live.matrix.tenant_config`)
     fair_share: bool = True
+    #: keep vLLM's pin of every engine to the last core (engines.nixl_connector's
+    #: ``nixl_core_pin``): the before of issue 39's before/after
+    core_pin: bool = False
 
 
 SYSTEMS: dict[str, System] = {
@@ -103,8 +109,14 @@ SYSTEMS: dict[str, System] = {
     "pdserve-async": System(
         "pdserve", runtime="async_llm", about="Fairway + TWP + index routing, engines on AsyncLLM"
     ),
+    "pdserve-pinned": System(
+        "pdserve", core_pin=True, about="pdserve with vLLM's pin of every engine to one core"
+    ),
     "peer": System("peer", project_connector=False, about="Ray Serve LLM PD, stock NixlConnector"),
     "peer-connector": System("peer", about="Ray Serve LLM PD, the project's NIXL connector"),
+    "peer-connector-pinned": System(
+        "peer", core_pin=True, about="peer-connector with vLLM's pin of every engine to one core"
+    ),
 }
 
 
@@ -120,11 +132,15 @@ def pdserve_config(base: Mapping[str, Any], system: System) -> dict[str, Any]:
             eng.pop("scheduler_config", None)  # the stock scheduler takes none
         if system.runtime != "auto":
             eng["runtime"] = system.runtime
+        if system.core_pin:
+            eng["nixl_core_pin"] = True
     args.setdefault("routing", {})["policy"] = system.routing
     return raw
 
 
-def _engine_kwargs(cfg: Any, role: str, project_connector: bool) -> tuple[dict, dict]:
+def _engine_kwargs(
+    cfg: Any, role: str, project_connector: bool, core_pin: bool = False
+) -> tuple[dict, dict]:
     """``(engine_kwargs, env_vars)`` of one peer role: pdserve's own engine launch for that
     role with the stock scheduler, without the pieces the peer sets itself (model name,
     NIXL ports, multiprocessing) and with the peer's connector."""
@@ -151,6 +167,7 @@ def _engine_kwargs(cfg: Any, role: str, project_connector: bool) -> tuple[dict, 
         ktc["kv_connector_extra_config"] = {
             "nixl_progress_thread": False,
             "nixl_progress_poll_us": poll,
+            "nixl_core_pin": core_pin,
         }
     kw["kv_transfer_config"] = ktc
     peers_own = (
@@ -170,7 +187,7 @@ def peer_config(base: Mapping[str, Any], system: System) -> dict[str, Any]:
     cfg = load_app_config(app.get("args") or {})
     roles = {}
     for role in ("prefill", "decode"):
-        kw, env = _engine_kwargs(cfg, role, system.project_connector)
+        kw, env = _engine_kwargs(cfg, role, system.project_connector, system.core_pin)
         roles[f"{role}_config"] = {
             "model_loading_config": {
                 "model_id": cfg.model.served_name,

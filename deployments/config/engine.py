@@ -94,6 +94,14 @@ class EngineConfig(EngineSettings):
         "transfers move while the engine computes; 0: no thread, transfers progress only "
         "at engine steps (seconds apart during a long prefill on CPU).",
     )
+    nixl_core_pin: bool = Field(
+        default=False,
+        description="Keep vLLM's CPU pin: on CPU its NIXL worker pins the thread that builds "
+        "the engine to the last core of each NUMA node, and with it the model's forward "
+        "and every thread started after (every engine of a node on one core). False: "
+        "engines.nixl_connector gives the thread its CPUs back and an in_process engine "
+        "steps on cpu_bind's (before/after measurements only).",
+    )
     kv_events: KVEventsConfig = Field(
         default_factory=KVEventsConfig, description="KV-cache event publishing."
     )

@@ -97,6 +97,7 @@ def engine_launch(cfg: AppConfig, role: Role, ports: ReplicaPorts) -> EngineLaun
             side_channel_port=ports.nixl,
             progress_thread=e.nixl_progress_thread,
             progress_poll_us=e.nixl_progress_poll_us,
+            core_pin=e.nixl_core_pin,
             load_failure_policy=e.kv_load_failure_policy,
             buffer_device=e.kv_buffer_device,
             fault_injection=e.fault_injection,

@@ -67,6 +67,7 @@ def test_the_peer_config_is_ray_serve_llms_pd_schema_on_pdservers_engines(
                 assert ktc["kv_connector_extra_config"] == {
                     "nixl_progress_thread": False,
                     "nixl_progress_poll_us": cfg.engine(role).nixl_progress_poll_us,
+                    "nixl_core_pin": False,  # its engines on their cores, as pdserve's
                 }
             env = app["args"][f"{role}_config"]["runtime_env"]["env_vars"]
             assert env["VLLM_CPU_OMP_THREADS_BIND"] == cfg.engine(role).cpu_bind
@@ -78,6 +79,16 @@ def test_the_peer_config_is_ray_serve_llms_pd_schema_on_pdservers_engines(
                 "PrefixCacheAffinityRouter"
             )
     assert peer_config(base, SYSTEMS["peer"])["http_options"]["port"] == 8000
+    # the before of issue 39's before/after: vLLM's pin kept, on both sides alike
+    pinned = peer_config(base, SYSTEMS["peer-connector-pinned"])["applications"][0]["args"]
+    for role in ("prefill", "decode"):
+        extra = pinned[f"{role}_config"]["engine_kwargs"]["kv_transfer_config"]
+        assert extra["kv_connector_extra_config"]["nixl_core_pin"] is True
+    mine = pdserve_config(base, SYSTEMS["pdserve-pinned"])["applications"][0]["args"]
+    assert mine["prefill"]["nixl_core_pin"] is mine["decode"]["nixl_core_pin"] is True
+    assert "nixl_core_pin" not in pdserve_config(base, SYSTEMS["pdserve"])["applications"][0][
+        "args"
+    ]["decode"]
 
 
 def _ports() -> Any:
