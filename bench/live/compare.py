@@ -94,6 +94,8 @@ class System:
     #: keep vLLM's pin of every engine to the last core (engines.nixl_connector's
     #: ``nixl_core_pin``): the before of issue 39's before/after
     core_pin: bool = False
+    #: pdserve's in-process engines: what ``cpu_bind`` binds (``None``: the config's own)
+    cpu_bind_scope: str | None = None
 
 
 SYSTEMS: dict[str, System] = {
@@ -111,6 +113,9 @@ SYSTEMS: dict[str, System] = {
     ),
     "pdserve-pinned": System(
         "pdserve", core_pin=True, about="pdserve with vLLM's pin of every engine to one core"
+    ),
+    "pdserve-bindall": System(
+        "pdserve", cpu_bind_scope="replica", about="pdserve, each replica whole on cpu_bind"
     ),
     "peer": System("peer", project_connector=False, about="Ray Serve LLM PD, stock NixlConnector"),
     "peer-connector": System("peer", about="Ray Serve LLM PD, the project's NIXL connector"),
@@ -134,6 +139,8 @@ def pdserve_config(base: Mapping[str, Any], system: System) -> dict[str, Any]:
             eng["runtime"] = system.runtime
         if system.core_pin:
             eng["nixl_core_pin"] = True
+        if system.cpu_bind_scope is not None:
+            eng["cpu_bind_scope"] = system.cpu_bind_scope
     args.setdefault("routing", {})["policy"] = system.routing
     return raw
 
@@ -538,9 +545,10 @@ def _serve_run(path: Path, system: System, env: Mapping[str, str]) -> None:
 
 def engine_replicas(stats: Mapping[str, Any]) -> dict[str, list[dict[str, Any]]]:
     """Each pdserve engine replica's runtime, resident memory (with the engine processes it
-    started) and event-loop lag (``loop_lag``: p50/p99/max ms of its last minute), from the
-    ingress's ``/v1/pdserve/stats`` (:func:`pdserve_stats`); empty when it did not answer."""
-    keep = ("runtime", "rss_mb", "loop_lag")
+    started), event-loop lag (``loop_lag``: p50/p99/max ms of its last minute) and the CPUs
+    its in-process engine steps on (``engine_cpus``), from the ingress's
+    ``/v1/pdserve/stats`` (:func:`pdserve_stats`); empty when it did not answer."""
+    keep = ("runtime", "rss_mb", "loop_lag", "engine_cpus")
     return {
         role: [{"id": r["id"]} | {k: r.get(k) for k in keep} for r in rs]
         for role, rs in (stats.get("replicas") or {}).items()
@@ -899,9 +907,9 @@ def replica_lines(rows: Mapping[str, Any]) -> list[str]:
         "",
         "## pdserve engine replicas (after the replay)",
         "",
-        "| system | role | replica | runtime | RSS MiB | loop lag p50 / p99 / max ms "
-        "| ITL p50 ms |",
-        "|---|---|---|---|---|---|---|",
+        "| system | role | replica | runtime | engine CPUs | RSS MiB "
+        "| loop lag p50 / p99 / max ms | ITL p50 ms |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     n0 = len(out)
     for name, r in rows.items():
@@ -911,9 +919,10 @@ def replica_lines(rows: Mapping[str, Any]) -> list[str]:
             for x in rs:
                 lag = x.get("loop_lag") or {}
                 lag_s = " / ".join(str(lag.get(k, "-")) for k in ("p50_ms", "p99_ms", "max_ms"))
+                cpus = ",".join(str(c) for c in x.get("engine_cpus") or []) or "-"
                 out.append(
                     f"| {name} | {role} | {str(x['id'])[:8]} | {x.get('runtime') or '-'} "
-                    f"| {x.get('rss_mb') or '-'} | {lag_s} "
+                    f"| {cpus} | {x.get('rss_mb') or '-'} | {lag_s} "
                     f"| {'-' if itl50 is None else f'{itl50 * 1e3:.1f}'} |"
                 )
     return out if len(out) > n0 else []

@@ -147,6 +147,7 @@ _REPORT_KEYS = (
     "node_id",
     "loop_lag",
     "rss_mb",
+    "engine_cpus",
     "scheduler",
 )
 

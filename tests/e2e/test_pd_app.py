@@ -63,6 +63,27 @@ def test_each_engine_runs_on_the_runtime_asked_for(pd_app: dict[str, Any]) -> No
         assert set(counted) == {"lanes", "chunk_reorders", "chunk_sit_outs"}, counted
 
 
+def test_each_engine_computes_on_its_cpu_bind_cpu(pd_app: dict[str, Any]) -> None:
+    """vLLM's NIXL worker pins the thread that builds it, the one that then runs the model,
+    to the last core: every engine on CPU 1 whatever ``cpu_bind`` said (issue 39). With the
+    pin undone, the prefill engine computes on CPU 0 and the decode engine on CPU 1, as the
+    config binds them: under in_process the engine's step thread (its load report's
+    ``engine_cpus``), under async_llm the model runner process vLLM binds itself."""
+    import psutil
+
+    want = {"prefill": [0], "decode": [1]}
+    rows = _stats(pd_app)["replicas"]
+    for role in ("prefill", "decode"):
+        if pd_app["runtime"] == "in_process":
+            assert rows[role][0]["engine_cpus"] == want[role], rows[role][0]
+            continue
+        st = pd_app[role].stats.remote().result(timeout_s=30)
+        kids = psutil.Process(st["pid"]).children(recursive=True)
+        # the model runner's main thread, which runs the forward (its OpenMP binding)
+        cpus = {p.pid: sorted(p.cpu_affinity()) for p in kids}
+        assert want[role] in cpus.values(), (role, cpus)
+
+
 def test_serves_proxy_and_both_engines_run_on_rays_jemalloc(pd_app: dict[str, Any]) -> None:
     """The session cluster is started as ``pdserve up`` starts a head (deployments/local.py):
     Serve's HTTP proxy, each engine replica and, under async_llm, its engine-core process

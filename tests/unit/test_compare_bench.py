@@ -86,9 +86,10 @@ def test_the_peer_config_is_ray_serve_llms_pd_schema_on_pdservers_engines(
         assert extra["kv_connector_extra_config"]["nixl_core_pin"] is True
     mine = pdserve_config(base, SYSTEMS["pdserve-pinned"])["applications"][0]["args"]
     assert mine["prefill"]["nixl_core_pin"] is mine["decode"]["nixl_core_pin"] is True
-    assert "nixl_core_pin" not in pdserve_config(base, SYSTEMS["pdserve"])["applications"][0][
-        "args"
-    ]["decode"]
+    assert (
+        "nixl_core_pin"
+        not in pdserve_config(base, SYSTEMS["pdserve"])["applications"][0]["args"]["decode"]
+    )
 
 
 def _ports() -> Any:
@@ -236,7 +237,8 @@ def test_the_report_tables_every_system_names_the_failed_one_and_plots(tmp_path:
 
     lag = {"p50_ms": 0.2, "p99_ms": 3.5, "max_ms": 9.0}
     replicas = {
-        "decode": [{"id": "abcdefgh123", "runtime": "async_llm", "rss_mb": 812.5, "loop_lag": lag}]
+        "decode": [{"id": "abcdefgh123", "runtime": "async_llm", "rss_mb": 812.5, "loop_lag": lag}],
+        "prefill": [{"id": "ijklmnop456", "runtime": "in_process", "engine_cpus": [0]}],
     }
     rows = {
         "pdserve": _row(0.4, 2.0, 110.0, 8 * 2**30) | {"idle_cpu_percent": 1.5},
@@ -261,7 +263,10 @@ def test_the_report_tables_every_system_names_the_failed_one_and_plots(tmp_path:
     rows["pdserve"]["summary"] |= {"replicas": replicas, "itl": {"p50": 0.0123, "p99": 0.02}}
     files = report(res, tmp_path)
     text = (tmp_path / "report.md").read_text()
-    assert "| pdserve | decode | abcdefgh | async_llm | 812.5 | 0.2 / 3.5 / 9.0 | 12.3 |" in text
+    assert (
+        "| pdserve | decode | abcdefgh | async_llm | - | 812.5 | 0.2 / 3.5 / 9.0 | 12.3 |" in text
+    )
+    assert "| pdserve | prefill | ijklmnop | in_process | 0 | - | - / - / - | 12.3 |" in text
     assert "| pdserve | 400 | 2000 | 20 | 110.0 | 0.50 | - | 60.0 | 8.00 | 8.00 | 1.5 |" in text
     assert "| peer | failed: TimeoutError: no first token" in text
     assert "| pdserve | 0.40 | 1.00 | 1.00 | 1.10 |" in text

@@ -3,6 +3,8 @@ busy progress thread (real NIXL agents, no engine)."""
 
 from __future__ import annotations
 
+import os
+import threading
 from types import SimpleNamespace
 from typing import Any
 
@@ -191,3 +193,38 @@ def test_a_paced_agent_does_not_spin_a_core() -> None:
     stock_cpu = cpu_over(1.0)
     del stock
     assert paced_cpu < 0.25 * stock_cpu, (paced_cpu, stock_cpu)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_the_thread_vllms_nixl_worker_pinned_gets_its_cpus_back() -> None:
+    """vLLM's NIXL worker pins the thread that builds it to the last core; the connector gives
+    that thread back what it had (:func:`give_back_cpus`), and touches no other thread."""
+    from engines.nixl_connector import give_back_cpus
+
+    allowed = os.sched_getaffinity(0)
+    seen: dict[str, Any] = {}
+
+    def builder() -> None:
+        os.sched_setaffinity(0, {max(allowed)})  # what vLLM's NixlConnectorWorker does
+        seen["pinned"] = os.sched_getaffinity(0)
+        seen["gave"] = give_back_cpus(allowed)
+        seen["after"] = os.sched_getaffinity(0)
+        seen["again"] = give_back_cpus(allowed)  # nothing narrowed it: nothing to do
+
+    t = threading.Thread(target=builder)
+    t.start()
+    t.join()
+    assert seen == {"pinned": {max(allowed)}, "gave": True, "after": allowed, "again": False}
+    assert os.sched_getaffinity(0) == allowed  # the calling thread's own CPUs untouched
+
+
+def test_an_in_process_engine_steps_on_cpu_binds_cpus() -> None:
+    from engines.launch import engine_cpus
+
+    assert engine_cpus("0", {0, 1}) == {0}
+    assert engine_cpus("1", {0, 1}) == {1}
+    assert engine_cpus("0-1", {0, 1}) == {0, 1}
+    assert engine_cpus("0,2-3", {0, 1, 2, 3, 4}) == {0, 2, 3}
+    assert engine_cpus("1-3", {0, 1}) == {1}  # within the process's own CPUs
+    assert engine_cpus("5", {0, 1}) is None  # none of them: the thread keeps what it has
+    assert engine_cpus("auto", {0, 1}) is None and engine_cpus("nobind", {0, 1}) is None
