@@ -172,11 +172,6 @@ class EngineSettings(_Strict):
         description="VLLM_CPU_OMP_THREADS_BIND: 'auto', 'nobind' or a CPU list such as '0' or "
         "'0-1' (not 'all').",
     )
-    cpu_bind_scope: Literal["engine", "replica"] = Field(
-        default="engine",
-        description="in_process: what cpu_bind binds: 'engine', the engine's step thread; "
-        "'replica', every thread of the replica's process (its event loop too).",
-    )
     scheduler_cls: SchedulerName | None = Field(
         default=None,
         description="A shipped scheduler plug-in (engines.scheduler.FairwayScheduler, "

@@ -60,7 +60,7 @@ from engines.refusal import EngineDown, as_refusal
 log = logging.getLogger(__name__)
 
 
-def bind_step_thread(cpus: set[int], whole_process: bool = False) -> None:
+def bind_step_thread(cpus: set[int]) -> None:
     """Run the calling thread (an in-process engine's step thread) on ``cpus`` with one torch
     thread per CPU. torch's default is a thread per core of the machine, and the extra OpenMP
     threads start inside this thread's CPUs: two threads on one core made a matmul of the
@@ -70,10 +70,6 @@ def bind_step_thread(cpus: set[int], whole_process: bool = False) -> None:
     import torch
 
     os.sched_setaffinity(0, cpus)
-    if whole_process:  # every thread there is now; those started later inherit it
-        for tid in os.listdir("/proc/self/task"):
-            with contextlib.suppress(OSError):  # a thread that ended meanwhile
-                os.sched_setaffinity(int(tid), cpus)
     if torch.get_num_threads() != len(cpus):
         torch._C.set_num_threads(len(cpus))
 
@@ -111,7 +107,6 @@ class InProcessEngine:
         #: not an in-process engine), unless vLLM's NIXL pin is kept on purpose
         pinned = launch.kv_transfer is not None and launch.kv_transfer.core_pin
         self._cpus = None if pinned else engine_cpus(launch.cpu_bind, os.sched_getaffinity(0))
-        self._bind_scope = launch.cpu_bind_scope
         #: the CPUs the step thread runs on, as it read them (the load report's ``engine_cpus``)
         self.thread_cpus: list[int] | None = None
         self.load: dict[str, Any] = {}
@@ -132,7 +127,7 @@ class InProcessEngine:
     def _run(self) -> None:
         try:
             if self._cpus:
-                bind_step_thread(self._cpus, self._bind_scope == "replica")
+                bind_step_thread(self._cpus)
             self.thread_cpus = sorted(os.sched_getaffinity(0))
             while not self._stop:
                 self.beat = time.monotonic()

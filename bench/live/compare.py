@@ -94,8 +94,6 @@ class System:
     #: keep vLLM's pin of every engine to the last core (engines.nixl_connector's
     #: ``nixl_core_pin``): the before of issue 39's before/after
     core_pin: bool = False
-    #: pdserve's in-process engines: what ``cpu_bind`` binds (``None``: the config's own)
-    cpu_bind_scope: str | None = None
 
 
 SYSTEMS: dict[str, System] = {
@@ -113,9 +111,6 @@ SYSTEMS: dict[str, System] = {
     ),
     "pdserve-pinned": System(
         "pdserve", core_pin=True, about="pdserve with vLLM's pin of every engine to one core"
-    ),
-    "pdserve-bindall": System(
-        "pdserve", cpu_bind_scope="replica", about="pdserve, each replica whole on cpu_bind"
     ),
     "peer": System("peer", project_connector=False, about="Ray Serve LLM PD, stock NixlConnector"),
     "peer-connector": System("peer", about="Ray Serve LLM PD, the project's NIXL connector"),
@@ -139,8 +134,6 @@ def pdserve_config(base: Mapping[str, Any], system: System) -> dict[str, Any]:
             eng["runtime"] = system.runtime
         if system.core_pin:
             eng["nixl_core_pin"] = True
-        if system.cpu_bind_scope is not None:
-            eng["cpu_bind_scope"] = system.cpu_bind_scope
     args.setdefault("routing", {})["policy"] = system.routing
     return raw
 
