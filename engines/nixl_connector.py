@@ -39,8 +39,8 @@ Nothing installed is patched beyond that one constructor swap.
 cores for start_load_kv() from model_forward()"). That pins the thread building it, which is
 the thread that then runs the model's forward (the worker's main thread; an in-process
 engine's builder, whose step thread and event loop inherit the pin), so on a 2-core node every
-engine ran on core 1 and core 0 held none, whatever ``cpu_bind`` said (issue 39: measured in
-``ps``, every engine thread of pdserve and of the peer on core 1). This connector gives the
+engine ran on core 1 and core 0 held none, whatever ``cpu_bind`` said (issue 39: read per
+thread from /proc, every engine of pdserve and of the peer on core 1). This connector gives the
 thread back the CPUs it had before the worker was built; ``cpu_bind`` then places the engine
 (vLLM's OMP binding in its worker process, :class:`engines.runtime.InProcessEngine` for its
 step thread). ``True`` keeps vLLM's pin, for before/after measurements.
