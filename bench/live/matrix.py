@@ -696,10 +696,8 @@ def run_matrix(
                     entry["runs"].append(one(system, cell, rep, rate, reqs, folder))
                     save()
             entry |= summarize_cell(cell, entry["runs"], systems, others, repeats)
-            if cell.concurrency is not None:
-                rps = [r["figures"]["requests_per_s"] for r in _reference_rps(entry["runs"])]
-                if rps:
-                    res["capacity_rps"][cell.name] = statistics.median(rps)
+            if cell.concurrency is not None and (rps := _reference_rps(entry["runs"])):
+                res["capacity_rps"][cell.name] = statistics.median(rps.values())
             save()
     except OutOfBudget:
         pass
@@ -717,22 +715,24 @@ def run_matrix(
     return res
 
 
-def _reference_rps(runs: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    """The reference's runs of a closed cell that measured its requests per second."""
-    return [
-        r for r in runs
+def _reference_rps(runs: Sequence[Mapping[str, Any]]) -> dict[int, float]:
+    """The requests per second of the reference's runs of a closed cell, by repeat (the runs
+    that measured it)."""
+    return {
+        r["repeat"]: r["figures"]["requests_per_s"]
+        for r in runs
         if r["system"] == REFERENCE and (r.get("figures") or {}).get("requests_per_s")
-    ]  # fmt: skip
+    }
 
 
 def closed_capacity(runs: Sequence[Mapping[str, Any]], repeats: int) -> float | None:
     """The capacity an open cell draws its rate from: the median requests/s of the
     reference's runs of the closed cell, once it has one for each of the ``repeats`` (None
     before: a rate drawn from fewer runs stays with the cell for good, noise and all)."""
-    measured = _reference_rps(runs)
-    if not set(range(repeats)) <= {r["repeat"] for r in measured}:
+    rps = _reference_rps(runs)
+    if not set(range(repeats)) <= rps.keys():
         return None
-    return statistics.median(r["figures"]["requests_per_s"] for r in measured)
+    return statistics.median(rps.values())
 
 
 def closed_first(
