@@ -42,7 +42,9 @@ Goals (over the median ratios): every cell throughput >= 1.0x (in an open-loop c
 Each live run is framed by a host probe (:func:`host_probe`, before and after it): the same
 fixed work timed each time, so a repeat that ran on a slower or busier host shows it in the
 report's "Every run" table. The repeats of one cell span hours and sessions on a shared
-machine, and a run's own CPU seconds cannot tell a slower host from more work.
+machine, and a run's own CPU seconds cannot tell a slower host from more work. Inside the
+run, :class:`RunProbe` times fixed work every 10 s in CPU seconds (a slower host raises it, a
+busier one does not) and reads the host's steal time; its figures are the table's last column.
 
 Everything here is pure but :func:`live_runner` and :func:`live_requests`: the per-system
 run is a callable (:data:`RunSystem`) so that the unit tests stand it in. Results are
@@ -937,11 +939,14 @@ def report(res: Mapping[str, Any], out: Path) -> list[Path]:
         "## Every run",
         "",
         f"Host probe: seconds to hash a fixed {PROBE_MIB} MiB on one thread before / after the run; a "
-        "longer probe is a slower or busier host.",
+        "longer probe is a slower or busier host. During the run: every 10 s the CPU ms of "
+        f"hashing {DURING_HASH_MIB} MiB / copying {DURING_COPY_MIB} MiB, median (max), and the "
+        "host's steal time; more CPU for the same work is a slower host, not a busier one "
+        "(`bench.live.matrix.RunProbe`).",
         "",
         "| cell | repeat | system | rate req/s | tok/s | req/s | TTFT p50 s | TTFT p99 s "
-        "| ITL p99 s | cached | quiet TTFT p99 s | errors | host probe s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| ITL p99 s | cached | quiet TTFT p99 s | errors | host probe s | during: hash/copy ms, steal |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     all_runs = [(r["cell"], r) for r in res.get("capacity_runs") or []]
     all_runs += [(n, r) for n, c in cells.items() for r in c.get("runs") or []]
@@ -950,7 +955,7 @@ def report(res: Mapping[str, Any], out: Path) -> list[Path]:
         if f is None:
             lines.append(
                 f"| {name} | {r['repeat'] + 1} | {r['system']} | {_fmt(r.get('rate'), '{:.3f}')} "
-                f"| failed: {str(r.get('error', ''))[:100]} |" + " - |" * 8
+                f"| failed: {str(r.get('error', ''))[:100]} |" + " - |" * 9
             )
             continue
         lines.append(
@@ -959,13 +964,26 @@ def report(res: Mapping[str, Any], out: Path) -> list[Path]:
             f"| {_fmt(f.get('ttft_p50'), '{:.3f}')} | {_fmt(f.get('ttft_p99'), '{:.3f}')} "
             f"| {_fmt(f.get('itl_p99'), '{:.3f}')} | {_fmt(f.get('cached_token_ratio'))} "
             f"| {_fmt(f.get('quiet_ttft_p99'), '{:.3f}')} | {f.get('errors', '-')} "
-            f"| {'/'.join(f'{v:.2f}' for v in f.get('host_probe_s') or []) or '-'} |"
+            f"| {'/'.join(f'{v:.2f}' for v in f.get('host_probe_s') or []) or '-'} "
+            f"| {during_cell(f.get('host_during'))} |"
         )
     lines += breakdown_table(res)
     lines += ["", "![median ratios](heatmap.png)", ""]
     (out / "report.md").write_text("\n".join(lines))
     heatmap(res, out / "heatmap.png", metrics)
     return [out / "report.md", out / "heatmap.png"]
+
+
+def during_cell(d: Mapping[str, Any] | None) -> str:
+    """A run's :class:`RunProbe` figures in the report's row: ``hash/copy ms median (max),
+    steal s``; ``-`` for a run without them (before the probe, or a stand-in)."""
+    if not d or not d.get("hash_ms") or not d.get("copy_ms"):
+        return "-"
+    (h50, hmax), (c50, cmax) = d["hash_ms"], d["copy_ms"]
+    steal = d.get("steal_s")
+    return f"{h50:.0f}/{c50:.0f} ({hmax:.0f}/{cmax:.0f})" + (
+        "" if steal is None else f", {steal:.1f} s"
+    )
 
 
 def drifted_rates(res: Mapping[str, Any], tolerance: float = 0.10) -> str:
@@ -1127,6 +1145,82 @@ def host_probe(mib: int = PROBE_MIB) -> float:
     return time.perf_counter() - t0
 
 
+#: the during-run probe's work, each round: SHA-256 over this many MiB (compute) and a copy of
+#: this many MiB (memory bandwidth), timed in the probing thread's own CPU seconds
+DURING_HASH_MIB, DURING_COPY_MIB = 16, 32
+
+
+def probe_figures(rounds: Sequence[tuple[float, float]], steal_s: float | None) -> dict[str, Any]:
+    """What :class:`RunProbe` reports of its rounds (``(hash_s, copy_s)`` CPU seconds each):
+    per kind the median and the max in ms, the number of rounds, and the host's steal time
+    over the run (None where ``/proc/stat`` has none)."""
+    out: dict[str, Any] = {"rounds": len(rounds), "steal_s": steal_s}
+    for i, kind in enumerate(("hash_ms", "copy_ms")):
+        xs = [r[i] * 1e3 for r in rounds]
+        out[kind] = [statistics.median(xs), max(xs)] if xs else None
+    return out
+
+
+def _steal_s() -> float | None:
+    """The host's steal time so far, in seconds (``/proc/stat``'s eighth CPU column, in the
+    kernel's 100 Hz ticks); None where it cannot be read."""
+    try:
+        cols = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+        return int(cols[8]) / 100.0
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+class RunProbe:
+    """Fixed work timed all through a run, on a thread of the bench's process: every
+    ``interval_s`` one round of SHA-256 over :data:`DURING_HASH_MIB` MiB and one copy of
+    :data:`DURING_COPY_MIB` MiB, each timed in the thread's own CPU seconds
+    (``time.thread_time``). CPU time, not wall time: a host that is only busy leaves it
+    unchanged (the thread waits, unclocked), a slower one (its clock, a sibling hyperthread,
+    a neighbour sharing its caches or memory) raises it. :func:`host_probe` brackets a run;
+    this sees inside it, where a run of issue 39 used 1.5x the CPU of its repeats for the
+    same work while both brackets read normal. A round costs about 15 ms of one core here."""
+
+    def __init__(self, interval_s: float = 10.0) -> None:
+        import threading
+
+        self.interval_s = interval_s
+        self.rounds: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="run-probe", daemon=True)
+        self._steal0: float | None = None
+        self._steal_s: float | None = None
+
+    def _loop(self) -> None:
+        block = bytes(2**20)
+        src, dst = bytearray(DURING_COPY_MIB * 2**20), bytearray(DURING_COPY_MIB * 2**20)
+        dst[:] = src  # fault both buffers' pages in once, outside the timed rounds
+        while True:
+            t0 = time.thread_time()
+            h = hashlib.sha256()
+            for _ in range(DURING_HASH_MIB):
+                h.update(block)
+            t1 = time.thread_time()
+            dst[:] = src  # one copy of the whole buffer
+            self.rounds.append((t1 - t0, time.thread_time() - t1))
+            if self._stop.wait(self.interval_s):
+                return
+
+    def __enter__(self) -> RunProbe:
+        self._steal0 = _steal_s()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        end = _steal_s()
+        self._steal_s = None if end is None or self._steal0 is None else end - self._steal0
+
+    def figures(self) -> dict[str, Any]:
+        return probe_figures(self.rounds, self._steal_s)
+
+
 def live_requests(
     base: Mapping[str, Any], *, vocab: int, max_tokens: int, limit: int | None, tokenizer: Any
 ) -> tuple[BuildRequests, CachePressure]:
@@ -1196,10 +1290,11 @@ def live_runner(model: str, progress: bool = True) -> RunSystem:
             reqs = with_keys(reqs, None)
         out.mkdir(parents=True, exist_ok=True)
         probe = [host_probe()]
-        m = measure(
-            system, sys_, cfg, reqs, out, model=model, concurrency=concurrency,
-            progress=progress, key=probe_key, operator_key=operator,
-        )  # fmt: skip
+        with RunProbe() as during:
+            m = measure(
+                system, sys_, cfg, reqs, out, model=model, concurrency=concurrency,
+                progress=progress, key=probe_key, operator_key=operator,
+            )  # fmt: skip
         quiet = [
             res.ttft_s
             for req, res in zip(reqs, m.results, strict=False)
@@ -1210,6 +1305,7 @@ def live_runner(model: str, progress: bool = True) -> RunSystem:
         f["deploy_to_first_token_s"] = m.deploy_to_first_token_s
         f["rss_peak_bytes"] = m.rss_peak_bytes
         f["host_probe_s"] = [*probe, host_probe()]  # before and after the run
+        f["host_during"] = during.figures()  # and all through it
         return f
 
     return run

@@ -3,6 +3,7 @@ goals and the report, with the live per-system run stood in by a function."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -372,7 +373,8 @@ def test_a_matrix_of_another_system_names_it_and_shows_each_runs_host_probe(tmp_
     assert "pdserve over" not in md
     # each run's host probe, before / after, in its row of the raw figures
     runs = [ln for ln in md.splitlines() if ln.startswith("| pair/closed8/rag | 1 |")]
-    assert [ln.rsplit("|", 2)[-2].strip() for ln in runs] == ["0.50/0.55", "0.90/1.20"]
+    assert [ln.rsplit("|", 3)[-3].strip() for ln in runs] == ["0.50/0.55", "0.90/1.20"]
+    assert [ln.rsplit("|", 2)[-2].strip() for ln in runs] == ["-", "-"]  # no during-run probe
     assert mx.main_ratios(res["cells"]["pair/closed8/rag"])["ttft_p50"]["median"] == 0.4
     assert mx.main_system(["pdserve-nofs", "pdserve", "peer-connector"]) == "pdserve"
 
@@ -613,3 +615,27 @@ def test_resume_refuses_a_matrix_of_other_systems_or_seed(tmp_path: Path) -> Non
     assert r.exit_code == 2 and "seed 3, not 4" in r.output, r.output
     r = runner.invoke(app, ["bench", "compare", "--resume", "--out", str(tmp_path)])
     assert r.exit_code == 2 and "only with --matrix" in r.output, r.output
+
+
+def test_the_during_run_probe_reports_median_and_max_per_kind_and_the_steal() -> None:
+    f = mx.probe_figures([(0.010, 0.020), (0.030, 0.005), (0.012, 0.008)], 1.5)
+    assert f["rounds"] == 3 and f["steal_s"] == 1.5
+    assert f["hash_ms"] == pytest.approx([12.0, 30.0])
+    assert f["copy_ms"] == pytest.approx([8.0, 20.0])
+    assert mx.during_cell(f) == "12/8 (30/20), 1.5 s"
+    none = mx.probe_figures([], None)
+    assert none["hash_ms"] is None and mx.during_cell(none) == "-" and mx.during_cell(None) == "-"
+
+
+def test_the_during_run_probe_times_rounds_on_its_thread_until_the_run_ends() -> None:
+    with mx.RunProbe(interval_s=0.05) as probe:
+        deadline = time.monotonic() + 30
+        while len(probe.rounds) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+    n = len(probe.rounds)
+    assert n >= 2  # the first round at once, then one per interval
+    time.sleep(0.15)
+    assert len(probe.rounds) == n  # stopped with the run
+    f = probe.figures()
+    assert f["rounds"] == n and 0 < f["hash_ms"][0] <= f["hash_ms"][1]
+    assert f["copy_ms"][0] > 0
