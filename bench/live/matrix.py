@@ -899,6 +899,12 @@ def report(res: Mapping[str, Any], out: Path) -> list[Path]:
                 "Open cells whose rate was drawn from a capacity more than 10% off today's "
                 "(`--resume --redo --cells CELL` draws it anew): " + moved
             )
+    uneven = uneven_hosts(res)
+    if uneven:
+        lines.append(
+            "Repeats whose systems ran on hosts of unlike speed (the during-run probe's "
+            "medians more than 15% apart, see Every run): " + uneven
+        )
     if res.get("replaced"):
         lines.append(
             "Run again from nothing (the earlier runs are kept under `replaced` in "
@@ -984,6 +990,34 @@ def during_cell(d: Mapping[str, Any] | None) -> str:
     return f"{h50:.0f}/{c50:.0f} ({hmax:.0f}/{cmax:.0f})" + (
         "" if steal is None else f", {steal:.1f} s"
     )
+
+
+def uneven_hosts(res: Mapping[str, Any], tolerance: float = 0.15) -> str:
+    """The repeats where the systems' :class:`RunProbe` medians (hash or copy) differ by more
+    than ``tolerance``: its ratios compare two hosts as much as two systems. As
+    ``cell #repeat (system kind Nx system)``, slowest over fastest, comma-separated; empty
+    when none (runs without the probe are not judged)."""
+    out = []
+    for name, c in res["cells"].items():
+        by_repeat: dict[int, dict[str, Mapping[str, Any]]] = collections.defaultdict(dict)
+        for r in c.get("runs") or []:
+            d = (r.get("figures") or {}).get("host_during") or {}
+            if d.get("hash_ms") and d.get("copy_ms"):
+                by_repeat[r["repeat"]][r["system"]] = d
+        for rep, sides in sorted(by_repeat.items()):
+            if len(sides) < 2:
+                continue
+            worst = None
+            for kind in ("hash_ms", "copy_ms"):
+                ranked = sorted(sides, key=lambda k: float(sides[k][kind][0]))  # noqa: B023
+                fast, slow = ranked[0], ranked[-1]
+                x = sides[slow][kind][0] / sides[fast][kind][0]
+                if x > 1 + tolerance and (worst is None or x > worst[0]):
+                    worst = (x, slow, kind.split("_")[0], fast)
+            if worst:
+                x, slow, kind, fast = worst
+                out.append(f"{name} #{rep + 1} ({slow} {kind} {x:.2f}x {fast})")
+    return ", ".join(out)
 
 
 def drifted_rates(res: Mapping[str, Any], tolerance: float = 0.10) -> str:

@@ -639,3 +639,23 @@ def test_the_during_run_probe_times_rounds_on_its_thread_until_the_run_ends() ->
     f = probe.figures()
     assert f["rounds"] == n and 0 < f["hash_ms"][0] <= f["hash_ms"][1]
     assert f["copy_ms"][0] > 0
+
+
+def test_the_report_names_a_repeat_whose_systems_ran_on_hosts_of_unlike_speed() -> None:
+    def run(system: str, repeat: int, copy_ms: float | None) -> dict[str, Any]:
+        during = None if copy_ms is None else mx.probe_figures([(0.010, copy_ms / 1e3)], 0.0)
+        return {"system": system, "repeat": repeat, "figures": {"host_during": during}}
+
+    res = {
+        "cells": {
+            "pair/closed8/rag": {
+                "runs": [
+                    run("pdserve", 0, 4.6), run("peer-connector", 0, 6.5),  # 1.41x
+                    run("pdserve", 1, 4.6), run("peer-connector", 1, 5.0),  # within 15%
+                    run("pdserve", 2, None), run("peer-connector", 2, 9.0),  # not judged
+                ]
+            }
+        }
+    }  # fmt: skip
+    assert mx.uneven_hosts(res) == "pair/closed8/rag #1 (peer-connector copy 1.41x pdserve)"
+    assert mx.uneven_hosts(res, tolerance=0.5) == ""
