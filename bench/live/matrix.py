@@ -994,7 +994,7 @@ def during_cell(d: Mapping[str, Any] | None) -> str:
 
 def uneven_hosts(res: Mapping[str, Any], tolerance: float = 0.15) -> str:
     """The repeats where the systems' :class:`RunProbe` medians (hash or copy) differ by more
-    than ``tolerance``: its ratios compare two hosts as much as two systems. As
+    than ``tolerance``: their ratios compare two hosts as much as two systems. As
     ``cell #repeat (system kind Nx system)``, slowest over fastest, comma-separated; empty
     when none (runs without the probe are not judged)."""
     out = []
@@ -1212,8 +1212,8 @@ class RunProbe:
     (``time.thread_time``). CPU time, not wall time: a host that is only busy leaves it
     unchanged (the thread waits, unclocked), a slower one (its clock, a sibling hyperthread,
     a neighbour sharing its caches or memory) raises it. :func:`host_probe` brackets a run;
-    this sees inside it, where a run of issue 39 used 1.5x the CPU of its repeats for the
-    same work while both brackets read normal. A round costs about 15 ms of one core here."""
+    this sees inside it, where a run of issue 39 spent 1.3-1.5x the CPU per second of its
+    repeats on the same work while both brackets read normal. A round costs about 15 ms of one core here."""
 
     def __init__(self, interval_s: float = 10.0) -> None:
         import threading
