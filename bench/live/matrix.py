@@ -496,10 +496,7 @@ def cell_ratios(
 ) -> dict[str, dict[str, Any]]:
     """Per metric, the median and min-max of ``system`` / ``reference`` over the repeats
     where both ran (paired by repeat); ``runs`` are the cell's run records."""
-    by_rep: dict[int, dict[str, Mapping[str, Any]]] = {}
-    for r in runs:
-        if r.get("figures") is not None:
-            by_rep.setdefault(r["repeat"], {})[r["system"]] = r["figures"]
+    by_rep = figures_by_repeat(runs)
     out = {}
     for m in METRICS:
         xs = []
@@ -510,6 +507,16 @@ def cell_ratios(
                 xs.append(a / b)
         out[m] = spread(xs)
     return out
+
+
+def figures_by_repeat(runs: Sequence[Mapping[str, Any]]) -> dict[int, dict[str, Mapping[str, Any]]]:
+    """A cell's run records as ``{repeat: {system: figures}}``, the runs with figures only:
+    the pairing every per-repeat comparison reads."""
+    by_rep: dict[int, dict[str, Mapping[str, Any]]] = {}
+    for r in runs:
+        if r.get("figures") is not None:
+            by_rep.setdefault(r["repeat"], {})[r["system"]] = r["figures"]
+    return by_rep
 
 
 def _figure(figs: Mapping[str, Any], m: str) -> float | None:
@@ -999,23 +1006,21 @@ def uneven_hosts(res: Mapping[str, Any], tolerance: float = 0.15) -> str:
     when none (runs without the probe are not judged)."""
     out = []
     for name, c in res["cells"].items():
-        by_repeat: dict[int, dict[str, Mapping[str, Any]]] = collections.defaultdict(dict)
-        for r in c.get("runs") or []:
-            d = (r.get("figures") or {}).get("host_during") or {}
-            if d.get("hash_ms") and d.get("copy_ms"):
-                by_repeat[r["repeat"]][r["system"]] = d
-        for rep, sides in sorted(by_repeat.items()):
+        for rep, figs in sorted(figures_by_repeat(c.get("runs") or []).items()):
+            sides = {
+                system: d
+                for system, f in figs.items()
+                if (d := f.get("host_during")) and d.get("hash_ms") and d.get("copy_ms")
+            }
             if len(sides) < 2:
                 continue
-            worst = None
+            spreads = []
             for kind in ("hash_ms", "copy_ms"):
-                ranked = sorted(sides, key=lambda k: float(sides[k][kind][0]))  # noqa: B023
-                fast, slow = ranked[0], ranked[-1]
-                x = sides[slow][kind][0] / sides[fast][kind][0]
-                if x > 1 + tolerance and (worst is None or x > worst[0]):
-                    worst = (x, slow, kind.split("_")[0], fast)
-            if worst:
-                x, slow, kind, fast = worst
+                ranked = sorted((d[kind][0], system) for system, d in sides.items())
+                (fast_ms, fast), (slow_ms, slow) = ranked[0], ranked[-1]
+                spreads.append((slow_ms / fast_ms, slow, kind.split("_")[0], fast))
+            x, slow, kind, fast = max(spreads)
+            if x > 1 + tolerance:
                 out.append(f"{name} #{rep + 1} ({slow} {kind} {x:.2f}x {fast})")
     return ", ".join(out)
 
@@ -1171,12 +1176,16 @@ PROBE_MIB = 256
 def host_probe(mib: int = PROBE_MIB) -> float:
     """Wall seconds to hash ``mib`` MiB with SHA-256 on one thread: the same work every time,
     so a longer probe is a slower or busier host (see the module docstring)."""
-    block = bytes(2**20)
-    h = hashlib.sha256()
     t0 = time.perf_counter()
+    _sha256_mib(mib)
+    return time.perf_counter() - t0
+
+
+def _sha256_mib(mib: int, block: bytes = bytes(2**20)) -> None:
+    """SHA-256 over ``mib`` MiB of zeros: the fixed work both host probes time."""
+    h = hashlib.sha256()
     for _ in range(mib):
         h.update(block)
-    return time.perf_counter() - t0
 
 
 #: the during-run probe's work, each round: SHA-256 over this many MiB (compute) and a copy of
@@ -1226,14 +1235,11 @@ class RunProbe:
         self._steal_s: float | None = None
 
     def _loop(self) -> None:
-        block = bytes(2**20)
         src, dst = bytearray(DURING_COPY_MIB * 2**20), bytearray(DURING_COPY_MIB * 2**20)
         dst[:] = src  # fault both buffers' pages in once, outside the timed rounds
         while True:
             t0 = time.thread_time()
-            h = hashlib.sha256()
-            for _ in range(DURING_HASH_MIB):
-                h.update(block)
+            _sha256_mib(DURING_HASH_MIB)
             t1 = time.thread_time()
             dst[:] = src  # one copy of the whole buffer
             self.rounds.append((t1 - t0, time.thread_time() - t1))
