@@ -167,6 +167,31 @@ def parse_cells(spec: str | None) -> list[Cell]:
     return out
 
 
+def parse_repeats(spec: str | None, repeats: int) -> list[tuple[Cell, int]]:
+    """The repeats of ``--redo-repeat``: comma-separated ``layout/load/workload#N`` (N from 1,
+    as the report names them; no wildcards: one cell each) as (cell, 0-based repeat).
+    ``ValueError`` naming each bad one."""
+    out: list[tuple[Cell, int]] = []
+    bad: list[str] = []
+    for raw in (x.strip() for x in (spec or "").split(",")):
+        if not raw:
+            continue
+        name, _, n = raw.partition("#")
+        try:
+            cells = parse_cells(name) if "*" not in name and name.strip() else []
+        except ValueError as e:
+            bad.append(f"{raw!r} ({e})")
+            continue
+        if len(cells) != 1 or not n.strip().isdigit() or not 1 <= int(n) <= repeats:
+            bad.append(f"{raw!r} (expected layout/load/workload#N, N from 1 to {repeats})")
+            continue
+        if (cells[0], int(n) - 1) not in out:
+            out.append((cells[0], int(n) - 1))
+    if bad:
+        raise ValueError("bad repeat " + "; ".join(bad))
+    return out
+
+
 def run_order(systems: Sequence[str], repeats: int) -> list[list[str]]:
     """The systems' order in each repeat: as given in even repeats, reversed in odd ones."""
     if repeats < 1:
@@ -575,6 +600,7 @@ def run_matrix(
     on_run: Callable[[dict[str, Any]], None] | None = None,
     resume: bool = False,
     redo: bool = False,
+    redo_repeats: Sequence[tuple[Cell, int]] = (),
     budget_s: float | None = None,
     code: str | None = None,
     clock: Callable[[], float] = time.monotonic,
@@ -593,6 +619,10 @@ def run_matrix(
     With ``redo`` (and ``resume``) the selected cells start again: their earlier runs and
     drawn rate move to ``replaced`` in the JSON (their folders to ``<cell>.replaced<n>``)
     and an open one draws its rate anew, e.g. after its closed cell's capacity moved.
+    ``redo_repeats`` (cell, repeat) sets one repeat's runs aside the same way (its run
+    folders to ``r<repeat>-<system>.replaced<n>``) and runs it again on the same arrivals,
+    e.g. a repeat the report names as run on hosts of unlike speed; its cell need not be
+    among ``cells``.
     With ``budget_s`` no run starts once that many seconds have passed: the cells not
     finished are reported as ``incomplete`` and ``stopped`` says so. ``code`` (e.g. the git
     commit) is written into each run's record, so that a matrix filled over several
@@ -627,6 +657,9 @@ def run_matrix(
     if redo:
         for cell in cells:
             set_aside(res, out, cell)
+    for cell, rep in redo_repeats:
+        set_aside_repeat(res, out, cell, rep)
+    cells = [*cells, *(c for c, _ in redo_repeats if c not in cells)]
     cells = schedule(closed_first(cells, res["cells"], systems, repeats))
 
     def done(cell: Cell, rep: int, system: str) -> bool:
@@ -779,6 +812,26 @@ def set_aside(res: dict[str, Any], out: Path, cell: Cell) -> None:
         folder.rename(folder.with_name(f"{folder.name}.replaced{len(tries)}"))
 
 
+def set_aside_repeat(res: dict[str, Any], out: Path, cell: Cell, rep: int) -> None:
+    """``--redo-repeat``: move the runs of ``cell``'s repeat ``rep`` (0-based) to
+    ``res["replaced"]`` as ``{"repeat": rep, "runs": [...]}`` and their folders to
+    ``r<rep>-<system>.replaced<n>``, so that the repeat runs again; the cell keeps its rate
+    and its other repeats."""
+    entry = res["cells"].get(cell.name) or {}
+    runs = [r for r in entry.get("runs") or [] if r["repeat"] == rep]
+    if not runs:
+        return
+    entry["runs"] = [r for r in entry["runs"] if r["repeat"] != rep]
+    tries = res["replaced"].setdefault(cell.name, [])
+    tries.append({"repeat": rep, "runs": runs})
+    n = sum(1 for t in tries if t.get("repeat") == rep)
+    folder = out / cell.name.replace("/", "-")
+    for r in runs:
+        run_dir = folder / f"r{rep}-{r['system']}"
+        if run_dir.exists():
+            run_dir.rename(run_dir.with_name(f"{run_dir.name}.replaced{n}"))
+
+
 def previous_matrix(out: Path, systems: Sequence[str], seed: int) -> dict[str, Any] | None:
     """``out/matrix.json`` from an earlier run, to resume (None when there is none);
     ``ValueError`` when it was run with other systems or another seed, whose runs cannot be
@@ -910,12 +963,18 @@ def report(res: Mapping[str, Any], out: Path) -> list[Path]:
     if uneven:
         lines.append(
             "Repeats whose systems ran on hosts of unlike speed (the during-run probe's "
-            "medians more than 15% apart, see Every run): " + uneven
+            "medians more than 15% apart, see Every run; `--resume --redo-repeat 'CELL#N'` "
+            "runs one again): " + uneven
         )
     if res.get("replaced"):
+        again = collections.Counter(
+            k if t.get("repeat") is None else f"{k} #{t['repeat'] + 1}"
+            for k, v in res["replaced"].items()
+            for t in v
+        )
         lines.append(
-            "Run again from nothing (the earlier runs are kept under `replaced` in "
-            "matrix.json): " + ", ".join(f"{k} ({len(v)}x)" for k, v in res["replaced"].items())
+            "Run again (the earlier runs are kept under `replaced` in matrix.json): "
+            + ", ".join(f"{k} ({n}x)" for k, n in again.items())
         )
     if lines[-1]:
         lines.append("")

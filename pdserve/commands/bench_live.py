@@ -176,6 +176,7 @@ def _bench_matrix(
     resume: bool = False,
     budget_min: float | None = None,
     redo: bool = False,
+    redo_repeat: str | None = None,
 ) -> None:
     """``bench compare --matrix``: checks every option before anything starts (a bad cell
     or system is a usage error naming it), then :func:`bench.live.matrix.run_matrix` with
@@ -184,12 +185,16 @@ def _bench_matrix(
     import yaml
 
     from bench.live.compare import SYSTEMS, with_preset
-    from bench.live.matrix import REFERENCE, parse_cells, previous_matrix
+    from bench.live.matrix import REFERENCE, parse_cells, parse_repeats, previous_matrix
 
     try:
-        selected = parse_cells(cells)
+        selected = [] if redo_repeat and not cells else parse_cells(cells)
     except ValueError as e:
         raise typer.BadParameter(str(e), param_hint="--cells") from None
+    try:
+        again = parse_repeats(redo_repeat, repeats)
+    except ValueError as e:
+        raise typer.BadParameter(str(e), param_hint="--redo-repeat") from None
     names = [s.strip() for s in systems.split(",") if s.strip()]
     bad = [n for n in names if n not in SYSTEMS]
     if bad or not names or REFERENCE not in names:
@@ -218,6 +223,11 @@ def _bench_matrix(
         raise typer.BadParameter(
             "runs the selected cells again in a matrix run before: needs --resume and --cells",
             param_hint="--redo",
+        )
+    if again and not resume:
+        raise typer.BadParameter(
+            "runs repeats of a matrix run before again: needs --resume",
+            param_hint="--redo-repeat",
         )
     if resume:
         try:
@@ -252,7 +262,9 @@ def _bench_matrix(
     typer.echo(
         f"{len(selected)} cells x {repeats} repeats x {len(names)} systems "
         f"({len(selected) * repeats * len(names)} runs, each a fresh Ray head, deploy and "
-        f"replay: minutes each); cache_pressure: {pressure.explain()}"
+        f"replay: minutes each)"
+        + (f", and {len(again)} repeats again" if again else "")
+        + f"; cache_pressure: {pressure.explain()}"
     )
 
     def said(rec: dict[str, Any]) -> None:
@@ -273,6 +285,7 @@ def _bench_matrix(
         on_run=said,
         resume=resume,
         redo=redo,
+        redo_repeats=again,
         budget_s=None if budget_min is None else 60 * budget_min,
         code=code_version(),
     )
@@ -333,6 +346,12 @@ def bench_compare(
         help="With --matrix --resume --cells: run these cells again from nothing (their "
         "earlier runs are kept aside in matrix.json; an open cell draws its rate anew).",
     ),
+    redo_repeat: str | None = typer.Option(
+        None,
+        help="With --matrix --resume: run these repeats again, comma-separated CELL#N as the "
+        "report names them (e.g. one run on hosts of unlike speed); the earlier runs are "
+        "kept aside in matrix.json, the cell keeps its arrivals. Without --cells only these run.",
+    ),
     *,
     workload: ReplayWorkload,
 ) -> None:
@@ -352,11 +371,14 @@ def bench_compare(
         systems = ",".join(MATRIX_SYSTEMS if matrix else COMPARE_SYSTEMS)
     if matrix:
         _bench_matrix(
-            out, config, preset, systems, repeats, cells, workload, resume, budget_min, redo
-        )
+            out, config, preset, systems, repeats, cells, workload, resume, budget_min, redo,
+            redo_repeat,
+        )  # fmt: skip
         return
-    if resume or budget_min is not None or redo:
-        raise typer.BadParameter("only with --matrix", param_hint="--resume, --budget-min, --redo")
+    if resume or budget_min is not None or redo or redo_repeat:
+        raise typer.BadParameter(
+            "only with --matrix", param_hint="--resume, --budget-min, --redo, --redo-repeat"
+        )
     if workload.trace is not None:
         workload = dataclasses.replace(workload, scenario=None)  # the trace wins
     if not config.exists():

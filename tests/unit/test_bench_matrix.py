@@ -244,6 +244,80 @@ def test_redo_runs_cells_again_and_an_open_cell_draws_its_rate_anew(tmp_path: Pa
         assert r.exit_code == 2 and "needs --resume and --cells" in r.output, r.output
 
 
+def test_redo_repeat_runs_one_repeat_again_on_the_same_arrivals(tmp_path: Path) -> None:
+    ran: list[tuple[str, int, str]] = []
+    arrivals: dict[tuple[str, int], list] = {}
+
+    def stand_in(system: str, cell: Cell, cfg: dict, reqs: list, conc: int | None,
+                 out: Path) -> dict[str, Any]:  # fmt: skip
+        rep = int(out.name.split("-")[0][1:])
+        ran.append((cell.name, rep, system))
+        if [r.at_s for r in reqs] != arrivals.setdefault((cell.name, rep), [r.at_s for r in reqs]):
+            raise AssertionError("a repeat run again on other arrivals")  # recorded as failed
+        out.mkdir(parents=True)
+        return _figs(rps=2.0 if system == mx.REFERENCE else 3.0)
+
+    def go(cells: str, **kw: Any) -> dict[str, Any]:
+        ran.clear()
+        return mx.run_matrix(
+            parse_cells(cells) if cells else [], tmp_path, run_system=stand_in,
+            build=lambda c, r, s: mx.workload_requests(c, r, s, limit=4), base=BASE,
+            repeats=3, progress=False, **kw,
+        )  # fmt: skip
+
+    res = go("pair/open0.9/rag")
+    assert not [r for c in res["cells"].values() for r in c["runs"] if r.get("error")]
+    rate = mx.previous_matrix(tmp_path, mx.DEFAULT_SYSTEMS, 0)["cells"]["pair/open0.9/rag"]
+    # the second repeat of the open cell again, in that repeat's order (BA), and nothing else
+    res = go("", resume=True, redo_repeats=mx.parse_repeats("pair/open0.9/rag#2", 3))
+    order = mx.run_order(mx.DEFAULT_SYSTEMS, 3)[1]
+    assert ran == [("pair/open0.9/rag", 1, s) for s in order]
+    cell = res["cells"]["pair/open0.9/rag"]
+    assert cell["rate_rps"] == rate["rate_rps"] and not [r for r in cell["runs"] if r.get("error")]
+    assert sorted((r["repeat"], r["system"]) for r in cell["runs"]) == sorted(
+        (rep, s) for rep in range(3) for s in mx.DEFAULT_SYSTEMS
+    )
+    (kept,) = res["replaced"]["pair/open0.9/rag"]
+    assert kept["repeat"] == 1 and {r["system"] for r in kept["runs"]} == set(order)
+    folder = tmp_path / "pair-open0.9-rag"
+    assert {p.name for p in folder.iterdir() if "replaced" in p.name} == {
+        f"r1-{s}.replaced1" for s in order
+    }
+    assert "pair/open0.9/rag #2 (1x)" in (tmp_path / "report.md").read_text()
+    # again: a second attempt of the same repeat keeps the first
+    res = go("", resume=True, redo_repeats=mx.parse_repeats("pair/open0.9/rag #2", 3))
+    assert len(res["replaced"]["pair/open0.9/rag"]) == 2
+    assert (folder / f"r1-{order[0]}.replaced2").is_dir()
+    assert "pair/open0.9/rag #2 (2x)" in (tmp_path / "report.md").read_text()
+
+
+@pytest.mark.parametrize(
+    ("spec", "named"),
+    [
+        ("pair/closed8/rag#4", "N from 1 to 3"),
+        ("pair/closed8/rag", "expected layout/load/workload#N"),
+        ("pair/*/rag#1", "expected layout/load/workload#N"),
+        ("pair/closed9/rag#1", "unknown load 'closed9'"),
+    ],
+)
+def test_a_bad_redo_repeat_is_an_error_naming_it(spec: str, named: str) -> None:
+    with pytest.raises(ValueError, match="bad repeat") as e:
+        mx.parse_repeats(spec, 3)
+    assert spec in str(e.value) and named in str(e.value)
+
+
+def test_the_cli_redo_repeat_needs_resume_and_a_good_repeat(tmp_path: Path) -> None:
+    def compare(*args: str) -> Any:
+        return runner.invoke(app, ["bench", "compare", "--out", str(tmp_path), *args])
+
+    r = compare("--matrix", "--redo-repeat", "pair/closed8/rag#1")
+    assert r.exit_code == 2 and "needs --resume" in r.output, r.output
+    r = compare("--matrix", "--resume", "--redo-repeat", "pair/closed8/rag#7")
+    assert r.exit_code == 2 and "N from 1 to 3" in r.output, r.output
+    r = compare("--redo-repeat", "pair/closed8/rag#1")
+    assert r.exit_code == 2 and "--redo-repeat: only with" in r.output, r.output
+
+
 def _figs(rps: float = 1.0, **over: float | None) -> dict[str, Any]:
     f: dict[str, Any] = {
         "throughput": 100.0,
@@ -614,7 +688,7 @@ def test_resume_refuses_a_matrix_of_other_systems_or_seed(tmp_path: Path) -> Non
     )
     assert r.exit_code == 2 and "seed 3, not 4" in r.output, r.output
     r = runner.invoke(app, ["bench", "compare", "--resume", "--out", str(tmp_path)])
-    assert r.exit_code == 2 and "only with --matrix" in r.output, r.output
+    assert r.exit_code == 2 and "--redo-repeat: only with" in r.output, r.output
 
 
 def test_the_during_run_probe_reports_median_and_max_per_kind_and_the_steal() -> None:
