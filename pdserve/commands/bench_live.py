@@ -350,7 +350,8 @@ def bench_compare(
         None,
         help="With --matrix --resume: run these repeats again, comma-separated CELL#N as the "
         "report names them (e.g. one run on hosts of unlike speed); the earlier runs are "
-        "kept aside in matrix.json, the cell keeps its arrivals. Without --cells only these run.",
+        "kept aside in matrix.json, the cell keeps its arrivals. Without --cells no other "
+        "cell runs.",
     ),
     *,
     workload: ReplayWorkload,
