@@ -805,11 +805,19 @@ def set_aside(res: dict[str, Any], out: Path, cell: Cell) -> None:
     entry = res["cells"].pop(cell.name, None)
     if not entry:
         return
-    tries = res["replaced"].setdefault(cell.name, [])
-    tries.append(entry)
-    folder = out / cell.name.replace("/", "-")
-    if folder.exists():
-        folder.rename(folder.with_name(f"{folder.name}.replaced{len(tries)}"))
+    res["replaced"].setdefault(cell.name, []).append(entry)
+    _move_aside(out / cell.name.replace("/", "-"))
+
+
+def _move_aside(path: Path) -> None:
+    """Rename ``path`` (a cell's or a run's folder) to ``<name>.replaced<n>``, the first
+    such name free, so that every earlier attempt is kept; nothing when it is missing."""
+    if not path.exists():
+        return
+    n = 1
+    while path.with_name(f"{path.name}.replaced{n}").exists():
+        n += 1
+    path.rename(path.with_name(f"{path.name}.replaced{n}"))
 
 
 def set_aside_repeat(res: dict[str, Any], out: Path, cell: Cell, rep: int) -> None:
@@ -822,14 +830,10 @@ def set_aside_repeat(res: dict[str, Any], out: Path, cell: Cell, rep: int) -> No
     if not runs:
         return
     entry["runs"] = [r for r in entry["runs"] if r["repeat"] != rep]
-    tries = res["replaced"].setdefault(cell.name, [])
-    tries.append({"repeat": rep, "runs": runs})
-    n = sum(1 for t in tries if t.get("repeat") == rep)
+    res["replaced"].setdefault(cell.name, []).append({"repeat": rep, "runs": runs})
     folder = out / cell.name.replace("/", "-")
     for r in runs:
-        run_dir = folder / f"r{rep}-{r['system']}"
-        if run_dir.exists():
-            run_dir.rename(run_dir.with_name(f"{run_dir.name}.replaced{n}"))
+        _move_aside(folder / f"r{rep}-{r['system']}")
 
 
 def previous_matrix(out: Path, systems: Sequence[str], seed: int) -> dict[str, Any] | None:
