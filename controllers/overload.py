@@ -42,8 +42,14 @@ tenant, or tenants flooding alike, are refused as before), and a quiet tenant's 
 go on to the prefill, where the tenants' fair share (``fair_share: true``) serves them ahead
 of the flood's backlog. The ceiling keeps many light tenants together from taking the queue
 past twice its bound, and counting the request's own prompts keeps one batch from carrying a
-tenant past its share. Shares are counted at this ingress (each ingress replica sees its own
-part of every tenant's traffic); choices, where the papers are silent: equal weights, and a
+tenant past its share. For the wait bound, when the prefill engines keep the tenants' fair
+share, the ceiling of a tenant below its share reads the wait ahead of its request under
+that share (:func:`share_ahead`), not the whole queue's: the flood's backlog is not ahead of
+it. The whole queue may then pass twice the wait bound, by the light tenants' own work
+only (each counts the others' prompts ahead of its own, so together they reach the ceiling),
+which the share serves before the flood's backlog; the count bounds' ceilings still cap the
+queue. Shares are counted at this ingress (each ingress replica sees its own part of every
+tenant's traffic); choices, where the papers are silent: equal weights, and a
 tenant is the request's tenant (the ingress's, not the cache group).
 
 **Which requests are spared besides.** Past a bound, a request whose prompts are mostly
@@ -90,7 +96,7 @@ class CompletionRate:
         return (n1 - n0) / (t1 - t0)
 
 
-def expected_wait_s(waiting: int, rate: float | None) -> float | None:
+def expected_wait_s(waiting: float, rate: float | None) -> float | None:
     """Little's law: ``waiting / rate`` seconds; ``None`` when the rate is unknown."""
     if rate is None or rate <= 0:
         return None
@@ -117,6 +123,37 @@ def spared(tenant: str, inflight: Mapping[str, int], adding: int = 1) -> bool:
     active = {t for t, n in inflight.items() if n > 0} | {tenant}
     total = sum(max(0, n) for n in inflight.values()) + adding
     return (max(0, inflight.get(tenant, 0)) + adding) * len(active) < total
+
+
+def share_ahead(tenant: str, inflight: Mapping[str, int], adding: int = 1) -> float:
+    """The part of the prompts in flight (``inflight``, per tenant, with the request's own
+    ``adding``) that the tenants' fair share at the prefill serves no later than the
+    request's last prompt: its tenant's own, and from each other tenant as many as the
+    request's tenant will then hold, since turns alternate between backlogged tenants (a
+    tenant with fewer has all of its own ahead). 1.0 when nothing else is in flight.
+
+    Why (issue 39's ``multi_tenant`` cell at 1.2x, ``docs/design/matrix_39_causes.md``): the
+    wait bound's ceiling read the whole queue's wait for a quiet tenant's request too, and
+    past twice the bound (69-83 s) it refused 3 of the quiet tenant's 12 requests, while the
+    fair share put them ahead of nearly all of that queue (its admitted requests waited at
+    most 40.7 s). For a tenant below its share (:func:`spared`) the ceiling reads the wait
+    ahead of its request under the share instead (the ingress's wait check,
+    ``deployments.ingress.admission``, scales the prefill's waiting requests by this part
+    when the prefill engines keep the share; the decode's queue has no tenants' share and
+    counts whole). Choices, where the papers are silent: prompts, not tokens (the share is
+    kept in uncached tokens, which the ingress knows for its own prompts only; prompts of
+    like size are the cells' case), and round-robin from par (the share's burst credit can
+    put a returning tenant further ahead, so this errs toward a longer wait). Many light
+    tenants together each count the others' prompts ahead, so the part grows with them and
+    the ceiling still holds them back. Worked examples, one prompt each: a flood of 30 and
+    a quiet tenant's 1, 4 of 32 (2 of the flood's, 2 its own); two tenants at 5, all 11;
+    ``{a: 12, b: 4, c: 2}``, c's next is 9 of 19 (3 + 3 + 3)."""
+    mine = max(0, inflight.get(tenant, 0)) + max(0, adding)
+    others = [max(0, n) for t, n in inflight.items() if t != tenant]
+    total = sum(others) + mine
+    if total <= 0:
+        return 1.0
+    return (sum(min(n, mine) for n in others) + mine) / total
 
 
 def reused(prompt_tokens: int, uncached_tokens: int, min_reuse: float) -> bool:

@@ -123,7 +123,9 @@ class IngressConfig(_Strict):
         description="Past an overload bound, a request whose tenant, with it, would still hold "
         "less than an equal share of the prompts in flight at the prefill is admitted, up to "
         "this many times the bound; the others get the 503 (a flood is refused, not the quiet "
-        "tenant beside it; controllers/overload.py). 1: everyone is refused at the bound.",
+        "tenant beside it; controllers/overload.py). For the wait bound with the prefill's "
+        "fair share on, such a tenant's ceiling reads the wait ahead of its request under "
+        "the share (share_ahead). 1: everyone is refused at the bound.",
     )
     overload_spare_reuse: float = Field(
         default=0.5,

@@ -38,6 +38,7 @@ from controllers.overload import (
     past_ceiling,
     refuse_for,
     reused,
+    share_ahead,
     spared,
 )
 from controllers.tenants import Bucket
@@ -251,12 +252,16 @@ class AdmissionPhase(IngressState):
         load, not the capacity, and they made a lone client's request read as a long wait.
         ``tenant`` below its share with ``adding`` more prompts, or a ``cheap`` request (its
         prompts mostly cached), is spared up to ``ingress.overload_spare_factor`` times the
-        bound: then True (admitted past it)."""
+        bound: then True (admitted past it). When the prefill engines keep the tenants' fair
+        share (``prefill.scheduler_config.fair_share``), the ceiling of a tenant below its
+        share reads the wait ahead of its request under the share: the prefill's waiting
+        requests times :func:`controllers.overload.share_ahead`, the decode's whole."""
         bound = self.cfg.ingress.max_expected_wait_s
         if not bound:
             return False
+        prefill = self.directories["prefill"].snapshot()
         decode = self.directories["decode"].snapshot()
-        rows = {**self.directories["prefill"].snapshot(), **decode}  # an engine counted once
+        rows = {**prefill, **decode}  # an engine counted once
         done = decode or rows  # a request finishes on its decode engine
         now = time.monotonic()
         replicas = frozenset(rows)
@@ -268,23 +273,43 @@ class AdmissionPhase(IngressState):
             self._completions = CompletionRate(window_s=self._completions.window_s)
         self._completions.add(now, sum(int(r.get("requests_finished") or 0) for r in done.values()))
         waiting = sum(int(r.get("waiting") or 0) for r in rows.values())
-        wait = expected_wait_s(waiting, self._completions.rate())
+        rate = self._completions.rate()
+        wait = expected_wait_s(waiting, rate)
         self.expected_wait_s = wait
         retry = refuse_for(wait, bound)
         if retry is None:
             return False
         assert wait is not None
         factor = self.cfg.ingress.overload_spare_factor
-        if not past_ceiling(wait, bound, factor) and (
-            cheap or spared(tenant, self._inflight_by_tenant, adding)
-        ):
+        if cheap and not past_ceiling(wait, bound, factor):
             return True
-        self.wait_refused += 1
         what = (
             f"{waiting} requests waiting in the engines, about {wait:.0f} s to drain "
             f"(bound {bound:g} s)"
         )
+        if spared(tenant, self._inflight_by_tenant, adding):
+            if not self._prefill_fair_share:
+                if not past_ceiling(wait, bound, factor):
+                    return True
+            else:
+                at_prefill = sum(int(rows[k].get("waiting") or 0) for k in prefill)
+                part = share_ahead(tenant, self._inflight_by_tenant, adding)
+                ahead = expected_wait_s(waiting - at_prefill * (1.0 - part), rate) or 0.0
+                if not past_ceiling(ahead, bound, factor):
+                    return True
+                what += (
+                    f"; about {ahead:.0f} s ahead of this request under the tenants' fair "
+                    f"share (ceiling {bound * factor:g} s)"
+                )
+        self.wait_refused += 1
         raise self._overload_error(what, retry)
+
+    @property
+    def _prefill_fair_share(self) -> bool:
+        """Whether the prefill engines keep the tenants' fair share (their waiting requests
+        are served in tenants' turns, not in the flood's order)."""
+        sc = self.cfg.prefill.scheduler_config
+        return sc is not None and sc.fair_share
 
     def _overload_error(self, what: str, retry_after_s: int) -> RequestError:
         """The overload 503 (counted), with ``Retry-After``."""

@@ -1159,6 +1159,79 @@ def test_the_wait_bound_refuses_once_the_engines_hold_more_than_it_in_seconds(
     asyncio.run(run())
 
 
+def test_past_the_wait_ceiling_a_quiet_tenant_is_judged_by_the_wait_ahead_of_it_under_the_share(
+    tiny_model_dir: Path,
+) -> None:
+    """Issue 39's ``multi_tenant`` cell at 1.2x: a flood took the engines' queue past twice the
+    30 s wait bound and the quiet tenant's requests were refused there, though the prefill's
+    fair share served them ahead of nearly all of that queue. With the share on, a tenant
+    below its share is judged at the ceiling by the wait ahead of its request: the prefill's
+    waiting requests times its part (4 of 32 beside a flood of 30), the decode's whole. 140
+    waiting at the prefill at 2/s is 70 s (past the 60 s ceiling) but 8.75 s under the
+    share: admitted; the flood is refused; with decode's 120 and the prefill's 20 the wait
+    ahead is 61 s: refused, the message naming it. With the share off, the whole queue's
+    wait stands, as before."""
+    from deployments.config import AppConfig
+    from deployments.ingress import IngressCore
+    from deployments.ingress.openai_requests import RequestError
+    from deployments.router_registry import directory
+
+    def core_for(fair: bool) -> tuple[Any, str]:
+        app = f"share-wait-unit-{fair}"
+        cfg = AppConfig.model_validate(
+            {
+                "model": {"path": str(tiny_model_dir), "build_preset": None},
+                "index": {"backend": "none"},
+                "ingress": {"warm_up": False, "max_expected_wait_s": 30},
+                "prefill": {
+                    "num_cpus": 1.0,
+                    "scheduler_cls": "engines.scheduler.FairwayScheduler",
+                    "scheduler_config": {"fair_share": fair},
+                },
+            }
+        ).model_dump(mode="json")
+        core = IngressCore(cfg, FakeEngine("prefill"), FakeEngine("decode"), app_name=app)
+        core._inflight_by_tenant = {"flood": 30, "quiet": 1}
+        return core, app
+
+    def reports(app: str, at_prefill: int, at_decode: int) -> None:
+        directory(app, "prefill").update({"p1": {"waiting": at_prefill}})
+        directory(app, "decode").update({"d1": {"waiting": at_decode, "requests_finished": 20}})
+
+    def measured(core: Any, app: str) -> None:
+        """The engines' rate, 2/s (held there: the test's own time must not move it)."""
+        reports(app, 0, 0)
+        core.check_wait("t")  # the first replica set: the rate is measured from here
+        core._completions.rate = lambda: 2.0
+
+    core, app = core_for(fair=True)
+    measured(core, app)
+    reports(app, 140, 0)
+    assert core.check_wait("quiet") is True  # spared: 140 x 4/32 / 2 = 8.75 s ahead
+    assert core.expected_wait_s == pytest.approx(70.0, rel=0.05)  # the whole queue's
+    with pytest.raises(RequestError) as e:
+        core.check_wait("flood")  # at or above its share: refused at the bound
+    assert e.value.status == 503 and "under the tenants' fair share" not in str(e.value)
+    reports(app, 40, 100)  # the decode's 100 count whole: (100 + 5) / 2 = 52.5 s
+    assert core.check_wait("quiet") is True
+    reports(app, 20, 120)  # (120 + 2.5) / 2 = 61.25 s: past the ceiling
+    with pytest.raises(RequestError) as e:
+        core.check_wait("quiet")
+    # Retry-After: the whole queue's excess over the bound
+    assert e.value.status == 503 and e.value.headers == {"Retry-After": "40"}
+    assert "about 61 s ahead of this request under the tenants' fair share" in str(e.value)
+    assert "(ceiling 60 s)" in str(e.value) and core.wait_refused == 2
+
+    core, app = core_for(fair=False)
+    measured(core, app)
+    reports(app, 140, 0)
+    with pytest.raises(RequestError) as e:
+        core.check_wait("quiet")  # the whole queue's 70 s, past the ceiling
+    assert "about 70 s to drain" in str(e.value) and "fair share" not in str(e.value)
+    reports(app, 110, 0)  # 55 s: under the ceiling, spared as before
+    assert core.check_wait("quiet") is True
+
+
 def test_a_decode_call_no_router_placed_releases_the_prefills_kv_and_a_placed_one_does_not(
     wired: Any,
 ) -> None:

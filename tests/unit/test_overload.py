@@ -10,6 +10,7 @@ from controllers.overload import (
     past_ceiling,
     refuse_for,
     reused,
+    share_ahead,
     spared,
 )
 
@@ -88,3 +89,25 @@ def test_past_a_bound_a_mostly_cached_prompt_is_spared() -> None:
     assert not reused(1632, 0, 0.0)  # off: nobody is spared for reuse
     assert not reused(0, 0, 0.5)  # an empty prompt has nothing cached
     assert reused(100, -5, 1.0)  # a stale count below zero is all cached, not more
+
+
+def test_the_part_of_the_queue_the_fair_share_serves_before_a_request() -> None:
+    """The docstring's worked examples (issue 39's ``multi_tenant`` cell at 1.2x: the quiet
+    tenant's requests were refused at a whole queue's wait past the ceiling, while the
+    share served them ahead of nearly all of it), and the edges."""
+    assert share_ahead("quiet", {"flood": 30, "quiet": 1}) == pytest.approx(4 / 32)
+    assert share_ahead("a", {"a": 5, "b": 5}) == 1.0  # at par: everything is ahead
+    assert share_ahead("c", {"a": 12, "b": 4, "c": 2}) == pytest.approx(9 / 19)
+    assert share_ahead("alone", {}) == 1.0 and share_ahead("alone", {"alone": 9}) == 1.0
+    assert share_ahead("new", {}, adding=0) == 1.0  # nothing at all in flight
+    # a tenant with fewer prompts than the request's tenant will hold has all of its own
+    # ahead: b's 1 and the flood's 3 of 40, with c's 3
+    assert share_ahead("c", {"flood": 40, "b": 1, "c": 2}) == pytest.approx(7 / 44)
+    # the request's own prompts count: a batch of 9 beside a flood of 30 puts 9 of the
+    # flood's ahead, 18 of 39
+    assert share_ahead("quiet", {"flood": 30}, adding=9) == pytest.approx(18 / 39)
+    # many light tenants: each counts the others' ahead, so the part grows with them
+    light = {f"t{i}": 1 for i in range(20)} | {"flood": 30}
+    assert share_ahead("t0", light) > 0.4 > share_ahead("quiet", {"flood": 30, "quiet": 1})
+    # counts below zero (a stale release) count as none
+    assert share_ahead("q", {"flood": -3, "q": 0}) == 1.0
