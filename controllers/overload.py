@@ -41,7 +41,7 @@ flooding tenant's own requests are refused (it is always at or above the mean, s
 tenant, or tenants flooding alike, are refused as before), and a quiet tenant's few requests
 go on to the prefill, where the tenants' fair share (``fair_share: true``) serves them ahead
 of the flood's backlog. The ceiling keeps many light tenants together from taking the queue
-past twice its bound, and counting the request's own prompts keeps one batch from carrying a
+past twice its bound (the wait bound's, with the share on, as below), and counting the request's own prompts keeps one batch from carrying a
 tenant past its share. For the wait bound, when the prefill engines keep the tenants' fair
 share, the ceiling of a tenant below its share reads the wait ahead of its request under
 that share (:func:`share_ahead`), not the whole queue's: the flood's backlog is not ahead of
