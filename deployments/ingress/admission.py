@@ -287,16 +287,16 @@ class AdmissionPhase(IngressState):
             f"{waiting} requests waiting in the engines, about {wait:.0f} s to drain "
             f"(bound {bound:g} s)"
         )
+        fair = self._prefill_fair_share
         if spared(tenant, self._inflight_by_tenant, adding):
-            if not self._prefill_fair_share:
-                if not past_ceiling(wait, bound, factor):
-                    return True
-            else:
+            ahead = wait  # without the share, the whole queue is ahead of it
+            if fair:
                 at_prefill = sum(int(rows[k].get("waiting") or 0) for k in prefill)
                 part = share_ahead(tenant, self._inflight_by_tenant, adding)
                 ahead = expected_wait_s(waiting - at_prefill * (1.0 - part), rate) or 0.0
-                if not past_ceiling(ahead, bound, factor):
-                    return True
+            if not past_ceiling(ahead, bound, factor):
+                return True
+            if fair:
                 what += (
                     f"; about {ahead:.0f} s ahead of this request under the tenants' fair "
                     f"share (ceiling {bound * factor:g} s)"
