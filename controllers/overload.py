@@ -13,8 +13,8 @@ the replicas' reports); ``lambda``: requests the engines completed per second ov
 ``window_s`` (from the same reports' cumulative counts). ``W`` is then the time the queue
 ahead of a new request takes to drain. When it passes ``max_expected_wait_s`` a new request
 is refused at once with 503 and ``Retry-After`` (about the time the excess takes to drain).
-With fewer than ``min_completions`` completions in the window (start-up, a lull) the rate is
-unknown and this bound does not refuse: from one or two completions ``W`` is noise (one
+With fewer than ``min_completions`` completions in the window (start-up, a lull, idle time)
+the rate is unknown and this bound does not refuse: from one or two completions ``W`` is noise (one
 request finished in 20 s reads as 0.05/s, and 4 requests queued behind a decode gate then read
 as 80 s), and it refused clients of an app just started (seen in the hostile-tenant suite:
 a victim's stream got 503 while the engines were far from saturated). The count bounds still
@@ -66,7 +66,20 @@ from collections.abc import Mapping
 
 
 class CompletionRate:
-    """Completions per second from samples of a cumulative count, over a sliding window."""
+    """Completions per second from samples of a cumulative count, over a sliding window.
+
+    Only samples inside the window count (those younger than ``window_s``): the rate spans the
+    first and last of them. Why (issue 39's ``open0.9/rag`` cell,
+    ``docs/design/matrix_39_causes.md``): the ingress samples with each arrival, so after
+    idle time (a warm-up, then a pause, then a replay) the next sample came a minute after
+    the one before; keeping the last sample older than the window then stretched the rate's
+    span over the idle gap, the completions of the busy seconds were divided by the idle
+    ones too, and the rate read 0.18/s where the engines completed 1.3/s: the wait bound
+    refused 2 requests 15 s into the replay with the engines far from saturated. Counting
+    inside the window only, the rate after a gap is unknown (nothing refused by this bound)
+    until ``min_completions`` completions fall between samples inside it. Under steady
+    arrivals the span lost is at most one gap between arrivals.
+    """
 
     def __init__(self, window_s: float = 20.0, min_completions: int = 8) -> None:
         if not window_s > 0:
@@ -81,13 +94,14 @@ class CompletionRate:
         if self._samples and total < self._samples[-1][1]:
             self._samples.clear()
         self._samples.append((now, total))
-        while len(self._samples) > 2 and self._samples[1][0] <= now - self.window_s:
+        while self._samples[0][0] <= now - self.window_s:
             self._samples.popleft()
 
     def rate(self) -> float | None:
-        """Completions per second across the window; ``None`` before two samples a second
-        apart or while fewer than ``min_completions`` completed in it (unknown, not zero: an
-        idle system is not slow, and a rate from one or two completions is noise)."""
+        """Completions per second between the first and last samples inside the window;
+        ``None`` before two such samples a second apart or while fewer than
+        ``min_completions`` completed between them (unknown, not zero: an idle system is not
+        slow, and a rate from one or two completions is noise)."""
         if len(self._samples) < 2:
             return None
         (t0, n0), (t1, n1) = self._samples[0], self._samples[-1]

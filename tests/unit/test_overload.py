@@ -39,10 +39,34 @@ def test_a_rate_from_a_few_completions_is_unknown() -> None:
     80 s and be refused); below ``min_completions`` the bound does not refuse."""
     r = CompletionRate(window_s=20, min_completions=8)
     r.add(0.0, 0)
-    r.add(20.0, 1)
+    r.add(10.0, 1)
     assert r.rate() is None and expected_wait_s(4, r.rate()) is None
-    r.add(21.0, 8)
-    assert r.rate() == pytest.approx(8 / 21)
+    r.add(19.0, 8)
+    assert r.rate() == pytest.approx(8 / 19)
+    r.add(20.0, 8)  # the sample at 0 s left the window: 7 completions from 10 s on
+    assert r.rate() is None
+
+
+def test_the_rate_after_idle_time_counts_the_busy_seconds_only() -> None:
+    """Issue 39's ``open0.9/rag`` cell: a warm-up completed 8 requests by 4 s, nothing
+    arrived (so nothing was sampled) for a minute, then a replay arrived every 0.75 s while
+    the engines completed 1.3/s. The rate spanning the idle minute read 0.27/s 15 s into the
+    replay, and 9 requests waiting read as 33 s, past the 30 s bound; counting inside the
+    window only, the rate is unknown until 8 completions fall between samples inside it, and
+    then reads the engines' 1.3/s."""
+    r = CompletionRate(window_s=20, min_completions=8)
+    for t in range(5):  # the warm-up, sampled each second
+        r.add(float(t), 2 * t)
+    assert r.rate() == pytest.approx(2.0)
+    t, rates = 60.0, []
+    while t <= 75.0:  # the replay's arrivals, after the idle minute
+        r.add(t, 8 + int(1.3 * (t - 60.0)))
+        rates.append((t, r.rate()))
+        t += 0.75
+    assert all(rate is None for at, rate in rates if at < 66.0)  # fewer than 8 seen since 60 s
+    assert rates[-1][1] == pytest.approx(1.3, rel=0.1)
+    wait = expected_wait_s(9, rates[-1][1])
+    assert wait is not None and wait < 30.0
 
 
 def test_little_law_wait_and_the_refusal() -> None:
