@@ -35,7 +35,9 @@ class EngineSchedulerConfig(BaseModel):
         default=False,
         description="Put the prefill policy inside a fair share among tenants, measured in "
         "uncached prompt tokens (controllers.prefill.fairshare); off: the policy as the "
-        "paper has it.",
+        "paper has it. Needs a prefill policy (FairwayScheduler and ColocatedScheduler have "
+        "one by default; TWPScheduler only when prefill_policy names one): without one it is "
+        "a config error, not ignored.",
     )
     fair_share_chunks: bool = Field(
         default=True,

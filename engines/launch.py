@@ -29,6 +29,7 @@ from typing import Any, Literal, get_args
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engines.config import ADDITIONAL_CONFIG_KEY, EngineSchedulerConfig
+from engines.scheduler_names import fair_share_error
 
 #: The scheduler plug-ins the project ships (``scheduler_cls`` must be one of them, or None).
 SchedulerName = Literal[
@@ -226,6 +227,10 @@ class EngineLaunch(EngineSettings):
     def _check(self) -> EngineLaunch:
         if self.scheduler is not None and self.scheduler_cls is None:
             raise ValueError("scheduler: set, but scheduler_cls is null (vLLM's stock one)")
+        if self.scheduler is not None and self.scheduler.fair_share:
+            why = fair_share_error(self.scheduler_cls, self.scheduler.prefill_policy)
+            if why:
+                raise ValueError(f"scheduler.{why}")
         if self.hash_algo.startswith("xxhash") and self.hash_seed is None:
             raise ValueError(
                 f"hash_seed: hash_algo={self.hash_algo!r} without a seed gives every engine a "

@@ -180,6 +180,11 @@ class PdserveSchedulerMixin:
             raise ValueError("profile: the twp gate needs an engine profile (decode l_min, B0)")
         self.pd_config = cfg
         self.profile = profile
+        if name is None and cfg.fair_share:
+            raise ValueError(
+                f"fair_share: {type(self).__name__} orders no prefill queue without a "
+                "prefill_policy, so the share would be ignored; name one or turn it off"
+            )
         if name is not None and cfg.fair_share and not name.endswith(FAIR_SHARE_SUFFIX):
             name += FAIR_SHARE_SUFFIX
         self.prefill: PrefillPolicy | None = (

@@ -9,6 +9,7 @@ from pydantic import Field, model_validator
 from deployments.config.common import Port, _Strict
 from engines.config import EngineSchedulerConfig
 from engines.launch import EngineSettings, KVBufferDevice, LoadFailurePolicy, Runtime
+from engines.scheduler_names import fair_share_error
 
 
 class KVEventsConfig(_Strict):
@@ -194,8 +195,13 @@ class EngineConfig(EngineSettings):
 
     @model_validator(mode="after")
     def _config_needs_class(self) -> EngineConfig:
-        if self.scheduler_config is not None and self.scheduler_cls is None:
+        sc = self.scheduler_config
+        if sc is not None and self.scheduler_cls is None:
             raise ValueError("scheduler_config is set but scheduler_cls is null")
+        if sc is not None and sc.fair_share:
+            why = fair_share_error(self.scheduler_cls, sc.prefill_policy)
+            if why:
+                raise ValueError(f"scheduler_config.{why}")
         return self
 
     @property

@@ -336,6 +336,24 @@ def test_scheduler_plugins_are_validated_at_deploy_time() -> None:
     assert p["additional_config"]["pdserve"]["profile"] == "cpu2core_vllm032_test"
     with pytest.raises(ValidationError, match="scheduler_config is set but scheduler_cls"):
         AppConfig.model_validate({"prefill": {"num_cpus": 1, "scheduler_config": {}}})
+    # a fair share the class would ignore (TWPScheduler orders no prefill queue by default):
+    # refused, since the ingress's wait bound reads the share as kept
+    twp = {"num_cpus": 1, "scheduler_cls": "engines.scheduler.TWPScheduler"}
+    with pytest.raises(ValidationError, match="scheduler_config.fair_share: the scheduler class"):
+        AppConfig.model_validate({"prefill": {**twp, "scheduler_config": {"fair_share": True}}})
+    policy = {"fair_share": True, "prefill_policy": "fcfs"}
+    AppConfig.model_validate({"prefill": {**twp, "scheduler_config": policy}})
+    fw = {"num_cpus": 1, "scheduler_cls": "engines.scheduler.FairwayScheduler"}
+    AppConfig.model_validate({"prefill": {**fw, "scheduler_config": {"fair_share": True}}})
+    from engines.launch import EngineLaunch  # the tools' launch checks it too
+
+    with pytest.raises(ValidationError, match="scheduler.fair_share: the scheduler class"):
+        EngineLaunch(
+            model="m",
+            cache_dir="c",
+            scheduler_cls="engines.scheduler.AsyncTWPScheduler",
+            scheduler={"fair_share": True},
+        )
     # only the shipped plug-ins
     with pytest.raises(ValidationError, match="scheduler_cls"):
         AppConfig.model_validate({"prefill": {"num_cpus": 1, "scheduler_cls": "a.B"}})

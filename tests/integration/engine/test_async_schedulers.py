@@ -114,3 +114,27 @@ def test_the_async_variants_decide_as_the_sync_ones_on_the_same_queue(
         assert sync_order == ["r0", "r1", "r2", "r3", "r4"]  # the order given (r4 first)
     else:  # the window held some back (the TWP gate acted)
         assert len(sync_order) < 5
+
+
+def test_every_plugin_orders_the_prefill_queue_as_the_serving_layer_reads_it(
+    tiny_model_dir: Path,
+) -> None:
+    """``engines.scheduler_names.ORDERS_PREFILL_BY_DEFAULT`` (read by the config's check of
+    ``fair_share``, without importing vLLM) names exactly the plug-ins with a default prefill
+    policy; on one without, ``fair_share`` and no policy is refused at engine start, naming
+    the field (the share would be ignored and the ingress's wait bound would read it kept)."""
+    import engines.scheduler as plugins
+    from engines.launch import SHIPPED_SCHEDULERS
+    from engines.scheduler_names import ORDERS_PREFILL_BY_DEFAULT
+
+    ordering = {
+        name
+        for name in SHIPPED_SCHEDULERS
+        if getattr(plugins, name.rsplit(".", 1)[1]).default_prefill_policy is not None
+    }
+    assert ordering == ORDERS_PREFILL_BY_DEFAULT and len(ordering) == 4
+    cfg = {"profile": TEST_PROFILE, "fair_share": True}
+    with pytest.raises(ValueError, match="fair_share: TWPScheduler orders no prefill queue"):
+        _scheduler(plugins.TWPScheduler, tiny_model_dir, cfg)
+    sched = _scheduler(plugins.TWPScheduler, tiny_model_dir, {**cfg, "prefill_policy": "fcfs"})
+    assert sched.prefill is not None and sched.prefill.name == "fcfs+fair_share"
