@@ -14,11 +14,11 @@ the replicas' reports); ``lambda``: requests the engines completed per second ov
 ahead of a new request takes to drain. When it passes ``max_expected_wait_s`` a new request
 is refused at once with 503 and ``Retry-After`` (about the time the excess takes to drain).
 With fewer than ``min_completions`` completions in the window (start-up, a lull, idle time)
-the rate is unknown and this bound does not refuse: from one or two completions ``W`` is noise (one
-request finished in 20 s reads as 0.05/s, and 4 requests queued behind a decode gate then read
-as 80 s), and it refused clients of an app just started (seen in the hostile-tenant suite:
-a victim's stream got 503 while the engines were far from saturated). The count bounds still
-hold meanwhile.
+the rate is unknown and this bound does not refuse: from one or two completions ``W`` is
+noise (one request finished in 20 s reads as 0.05/s, and 4 requests queued behind a decode
+gate then read as 80 s), and it refused clients of an app just started (seen in the
+hostile-tenant suite: a victim's stream got 503 while the engines were far from saturated).
+The count bounds still hold meanwhile.
 
 Why waiting and not waiting + running: ``lambda`` is the engines' capacity only while they
 are saturated; below saturation it is the offered load. Counting running requests made the
